@@ -1,0 +1,153 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Precondition checks shared by every cache variant. Each throws a standard exception whose
+// message names the call, what was expected and what was given; none of them writes anything.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvcache/config.hpp"
+#include "kvcache/views.hpp"
+
+namespace kvcache::detail {
+
+/// The shape every update of a cache must have, the token count aside.
+struct Geometry {
+  std::size_t layers = 0;
+  std::size_t batch = 0;
+  std::size_t kv_heads = 0;
+  std::size_t head_dim = 0;
+};
+
+inline std::string expected_given(const std::string& what, const std::string& expected, const std::string& given) {
+  return what + ": expected " + expected + ", given " + given;
+}
+
+inline std::string expected_given(const std::string& what, std::size_t expected, std::size_t given) {
+  return expected_given(what, std::to_string(expected), std::to_string(given));
+}
+
+/// Checks the fields every variant needs and returns the geometry they describe.
+inline Geometry check_config(const std::string& cache, const KvCacheConfig& c) {
+  auto require_positive = [&](const char* field, std::size_t value) {
+    if (value == 0) throw std::invalid_argument(cache + ": config." + field + ": expected > 0, given 0");
+  };
+  require_positive("layers", c.layers);
+  require_positive("batch", c.batch);
+  require_positive("kv_heads", c.kv_heads);
+  require_positive("head_dim", c.head_dim);
+  return {c.layers, c.batch, c.kv_heads, c.head_dim};
+}
+
+/// Checks a config for a cache that keeps every position (no window, sinks or slack).
+inline Geometry check_dense_config(const std::string& cache, const KvCacheConfig& c) {
+  const Geometry g = check_config(cache, c);
+  if (c.capacity == 0) throw std::invalid_argument(cache + ": config.capacity: expected > 0, given 0");
+  if (c.window != 0 || c.sinks != 0 || c.slack != 0) {
+    throw std::invalid_argument(cache + ": config.window/sinks/slack: expected 0 (this cache keeps every position; " +
+                                "use RingKvCache for a window), given " + std::to_string(c.window) + "/" +
+                                std::to_string(c.sinks) + "/" + std::to_string(c.slack));
+  }
+  return g;
+}
+
+inline void check_layer(const std::string& call, std::size_t layer, std::size_t layers) {
+  if (layer >= layers) {
+    throw std::out_of_range(expected_given(call + ": layer", "< " + std::to_string(layers), std::to_string(layer)));
+  }
+}
+
+/// Validates one update's arguments against the cache's geometry, `length` tokens already in
+/// `layer`, and the most tokens the layer may reach.
+template <class T>
+void check_update(const std::string& call, const Geometry& g, std::size_t layer, const TensorView<const T>& k,
+                  const TensorView<const T>& v, std::span<const std::int64_t> positions, std::size_t length,
+                  std::size_t capacity) {
+  check_layer(call, layer, g.layers);
+  const auto check_dim = [&](const char* name, const char* dim, std::size_t expected, std::size_t given) {
+    if (expected != given) {
+      throw std::invalid_argument(expected_given(call + ": " + name + " " + dim, expected, given) + " (shape " +
+                                  (name[0] == 'k' ? k : v).shape().str() + ")");
+    }
+  };
+  check_dim("k", "batch", g.batch, k.batch());
+  check_dim("k", "kv_heads", g.kv_heads, k.heads());
+  check_dim("k", "head_dim", g.head_dim, k.head_dim());
+  if (v.shape() != k.shape()) {
+    throw std::invalid_argument(
+        expected_given(call + ": v shape", k.shape().str() + " (the shape of k)", v.shape().str()));
+  }
+  const std::size_t tokens = k.tokens();
+  if (positions.size() != tokens) {
+    throw std::invalid_argument(expected_given(call + ": positions count", "k's tokens " + std::to_string(tokens),
+                                               std::to_string(positions.size())));
+  }
+  if (tokens != 0 && (k.data() == nullptr || v.data() == nullptr)) {
+    throw std::invalid_argument(call + ": k and v data: expected non-null pointers for " + std::to_string(tokens) +
+                                " tokens, given null");
+  }
+  for (std::size_t i = 0; i < tokens; ++i) {
+    const auto expected = static_cast<std::int64_t>(length + i);
+    if (positions[i] != expected) {
+      throw std::invalid_argument(expected_given(call + ": positions[" + std::to_string(i) + "]",
+                                                 std::to_string(expected) + " (layer " + std::to_string(layer) +
+                                                     " holds " + std::to_string(length) + " tokens)",
+                                                 std::to_string(positions[i])));
+    }
+  }
+  if (tokens > capacity - length) {
+    throw std::length_error(expected_given(call + ": tokens after update",
+                                           "<= capacity " + std::to_string(capacity),
+                                           std::to_string(length) + " + " + std::to_string(tokens)));
+  }
+}
+
+/// Tokens processed into each layer. They differ only while a forward pass is part-way, or
+/// after one stopped part-way; length() refuses to guess then.
+class LayerLengths {
+ public:
+  explicit LayerLengths(std::size_t layers) : lengths_(layers, 0) {}
+
+  [[nodiscard]] std::size_t operator[](std::size_t layer) const noexcept { return lengths_[layer]; }
+  void set(std::size_t layer, std::size_t length) noexcept { lengths_[layer] = length; }
+  void set_all(std::size_t length) noexcept { std::fill(lengths_.begin(), lengths_.end(), length); }
+  [[nodiscard]] std::size_t min() const noexcept { return *std::min_element(lengths_.begin(), lengths_.end()); }
+
+  /// The common length; throws std::runtime_error naming the layers when they disagree.
+  [[nodiscard]] std::size_t common(const std::string& call) const {
+    const std::size_t first = lengths_.front();
+    if (std::all_of(lengths_.begin(), lengths_.end(), [&](std::size_t n) { return n == first; })) return first;
+    std::string runs;
+    for (std::size_t begin = 0; begin < lengths_.size();) {
+      std::size_t end = begin;
+      while (end + 1 < lengths_.size() && lengths_[end + 1] == lengths_[begin]) ++end;
+      if (!runs.empty()) runs += ", ";
+      runs += (begin == end ? "layer " + std::to_string(begin)
+                            : "layers " + std::to_string(begin) + "-" + std::to_string(end)) +
+              " hold " + std::to_string(lengths_[begin]);
+      begin = end + 1;
+    }
+    throw std::runtime_error(call + ": layers disagree (a forward pass stopped part-way): expected every layer " +
+                             "to hold the same number of tokens, given " + runs + "; truncate() or reset() repairs it");
+  }
+
+  /// Checks a truncate target: at most what every layer holds.
+  void check_truncate(const std::string& call, std::size_t length) const {
+    const std::size_t held = min();
+    if (length > held) {
+      throw std::out_of_range(
+          expected_given(call + ": length", "<= " + std::to_string(held) + " (tokens held)", std::to_string(length)));
+    }
+  }
+
+ private:
+  std::vector<std::size_t> lengths_;
+};
+
+}  // namespace kvcache::detail

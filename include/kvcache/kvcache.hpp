@@ -1,0 +1,14 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// kvcache: a KV cache for C++ inference engines, and the causal attention that reads it.
+// This header brings all of it.
+
+#include "kvcache/attention.hpp"
+#include "kvcache/concat_kv_cache.hpp"
+#include "kvcache/concepts.hpp"
+#include "kvcache/config.hpp"
+#include "kvcache/kv_cache.hpp"
+#include "kvcache/ring_kv_cache.hpp"
+#include "kvcache/size.hpp"
+#include "kvcache/views.hpp"

@@ -1,0 +1,246 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvcache/concepts.hpp"
+#include "kvcache/config.hpp"
+#include "kvcache/detail/aligned_buffer.hpp"
+#include "kvcache/detail/assert.hpp"
+#include "kvcache/detail/checks.hpp"
+#include "kvcache/detail/copy.hpp"
+#include "kvcache/views.hpp"
+
+namespace kvcache {
+
+/// Sliding-window cache: keeps the last `window` positions, the first `sinks` positions forever
+/// (attention sinks), and `slack` positions older than the window so that truncate() can roll
+/// back after the ring has wrapped. Memory is bounded by sinks + window + slack slots, plus a
+/// staging area as large as the largest chunk, however long the sequence runs.
+///
+/// Query p sees the sinks and the keys k with p - window < k <= p; the returned History says
+/// so (window, sinks), and causal_attention applies it. A chunk too long to write without
+/// overwriting keys its own first queries need is staged and returned as a segment of its
+/// own; its tail is folded into the ring at the next update of that layer.
+///
+///   kvcache::RingKvCache<float> cache({.layers = 4, .kv_heads = 2, .head_dim = 32, .window = 512, .sinks = 4});
+///   auto history = cache.update(layer, k, v, positions);  // up to 4 segments
+///   kvcache::causal_attention(q, positions, history, out);
+template <class T>
+class RingKvCache {
+ public:
+  using value_type = T;
+
+  /// Allocates the ring; throws std::invalid_argument for a zero size or a zero window.
+  explicit RingKvCache(const KvCacheConfig& config)
+      : geometry_(detail::check_config("RingKvCache", config)),
+        window_(config.window),
+        sinks_(config.sinks),
+        ring_(config.window + config.slack),
+        capacity_(config.capacity == 0 ? std::numeric_limits<std::size_t>::max() : config.capacity),
+        lengths_(geometry_.layers) {
+    if (window_ == 0) throw std::invalid_argument("RingKvCache: config.window: expected > 0, given 0");
+    layers_.reserve(geometry_.layers);
+    for (std::size_t l = 0; l < geometry_.layers; ++l) {
+      layers_.push_back(Layer{detail::AlignedBuffer<T>(elements(slots())), detail::AlignedBuffer<T>(elements(slots())),
+                              std::vector<std::int64_t>(slots(), -1)});
+    }
+  }
+
+  /// Writes k, v [B, H_kv, T, D] for `positions` (which must continue this layer's length) and
+  /// returns what attention may read: the sinks, the held ring (one or two segments) and, for
+  /// a long chunk, the chunk itself. Throws std::out_of_range (layer), std::invalid_argument
+  /// (shapes, positions) or std::length_error (capacity); the cache is unchanged then.
+  History<T> update(std::size_t layer, TensorView<const T> k, TensorView<const T> v,
+                    std::span<const std::int64_t> positions) {
+    const std::size_t length = lengths_[layer < geometry_.layers ? layer : 0];
+    detail::check_update("RingKvCache::update", geometry_, layer, k, v, positions, length, capacity_);
+    Layer& state = layers_[layer];
+    const std::size_t tokens = k.tokens();
+    // Writing position p overwrites p - ring: safe while that is older than the chunk's first
+    // query's window, that is for chunks of at most slack + 1 tokens.
+    const bool direct = tokens <= ring_ - window_ + 1;
+    Staging grown;
+    if (!direct && tokens > state.staging.tokens) grown = Staging(elements(tokens), tokens);  // may throw
+    // Nothing below throws.
+    fold_staged(state, length);
+    if (grown.tokens != 0) state.staging = std::move(grown);
+    if (direct) {
+      write(state, k, v, length);
+    } else {
+      detail::copy_block(k, staging_view(state.staging.keys, state.staging.tokens).tokens(0, tokens));
+      detail::copy_block(v, staging_view(state.staging.values, state.staging.tokens).tokens(0, tokens));
+      std::copy(positions.begin(), positions.end(), state.staging.positions.begin());
+    }
+    lengths_.set(layer, length + tokens);
+    return history(state, length + tokens);
+  }
+
+  [[nodiscard]] std::size_t length() const { return lengths_.common("RingKvCache::length"); }
+  [[nodiscard]] std::size_t length(std::size_t layer) const {
+    detail::check_layer("RingKvCache::length", layer, geometry_.layers);
+    return lengths_[layer];
+  }
+  /// The most tokens a sequence may reach (config.capacity, or unbounded).
+  [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
+  [[nodiscard]] std::size_t layers() const noexcept { return geometry_.layers; }
+  [[nodiscard]] std::size_t batch() const noexcept { return geometry_.batch; }
+  [[nodiscard]] std::size_t kv_heads() const noexcept { return geometry_.kv_heads; }
+  [[nodiscard]] std::size_t head_dim() const noexcept { return geometry_.head_dim; }
+  [[nodiscard]] std::size_t window() const noexcept { return window_; }
+  [[nodiscard]] std::size_t sinks() const noexcept { return sinks_; }
+  /// Positions the ring stores per layer: sinks + window + slack.
+  [[nodiscard]] std::size_t slots() const noexcept { return sinks_ + ring_; }
+  /// Bytes allocated for K and V: the ring and the staging areas.
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t total = 0;
+    for (const Layer& l : layers_) total += l.keys.bytes() + l.values.bytes() + l.staging.keys.bytes() + l.staging.values.bytes();
+    return total;
+  }
+
+  /// Forgets everything after `length` tokens, copying nothing. Works while every layer still
+  /// holds the positions a query at `length` needs (the window before it), which `slack`
+  /// guarantees for rollbacks of up to slack + 1 tokens after a single-token update; throws
+  /// std::out_of_range otherwise, leaving the cache unchanged.
+  void truncate(std::size_t length) {
+    lengths_.check_truncate("RingKvCache::truncate", length);
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      const std::size_t held_from = std::max(sinks_, layers_[l].oldest);
+      const bool needs_nothing_older = length <= sinks_ || held_from <= sinks_;
+      if (!needs_nothing_older && length + 1 < held_from + window_) {
+        throw std::out_of_range(detail::expected_given(
+            "RingKvCache::truncate: length",
+            ">= " + std::to_string(held_from + window_ - 1) + " or <= " + std::to_string(sinks_) + " (layer " +
+                std::to_string(l) + " holds positions from " + std::to_string(held_from) + " on, and a query needs the " +
+                std::to_string(window_) + " before it)",
+            std::to_string(length)));
+      }
+    }
+    for (Layer& state : layers_) {
+      state.stored_end = std::min(state.stored_end, length);
+      state.oldest = std::min(state.oldest, length);
+    }
+    lengths_.set_all(length);
+  }
+
+  void reset() noexcept {
+    for (Layer& state : layers_) state.stored_end = state.oldest = 0;
+    lengths_.set_all(0);
+  }
+
+ private:
+  struct Staging {
+    Staging() = default;
+    Staging(std::size_t elements, std::size_t count)
+        : keys(elements, false), values(elements, false), positions(count), tokens(count) {}
+    detail::AlignedBuffer<T> keys;
+    detail::AlignedBuffer<T> values;
+    std::vector<std::int64_t> positions;
+    std::size_t tokens = 0;  // tokens the staging area can hold
+  };
+
+  struct Layer {
+    detail::AlignedBuffer<T> keys;        // [B, H, slots, D]
+    detail::AlignedBuffer<T> values;      // [B, H, slots, D]
+    std::vector<std::int64_t> positions;  // the position each slot holds
+    std::size_t stored_end = 0;           // positions below this are in slots (if not overwritten)
+    std::size_t oldest = 0;               // no position >= max(sinks, oldest) below stored_end is overwritten
+    Staging staging{};                    // positions [stored_end, length) when a chunk was staged
+    std::array<Segment<T>, 4> segments{};
+  };
+
+  [[nodiscard]] std::size_t elements(std::size_t tokens) const noexcept {
+    return geometry_.batch * geometry_.kv_heads * tokens * geometry_.head_dim;
+  }
+  [[nodiscard]] TensorView<T> slot_view(detail::AlignedBuffer<T>& buffer) const noexcept {
+    return {buffer.data(), {geometry_.batch, geometry_.kv_heads, slots(), geometry_.head_dim}};
+  }
+  [[nodiscard]] TensorView<T> staging_view(detail::AlignedBuffer<T>& buffer, std::size_t tokens) const noexcept {
+    return {buffer.data(), {geometry_.batch, geometry_.kv_heads, tokens, geometry_.head_dim}};
+  }
+  [[nodiscard]] std::size_t slot_of(std::size_t position) const noexcept {
+    return position < sinks_ ? position : sinks_ + (position - sinks_) % ring_;
+  }
+
+  /// Stores k, v for positions [first, first + T) in their slots, skipping those that later
+  /// positions of the same block would overwrite.
+  void write(Layer& state, const TensorView<const T>& k, const TensorView<const T>& v, std::size_t first) {
+    const std::size_t end = first + k.tokens();
+    const auto store_run = [&](std::size_t from, std::size_t to) {  // contiguous slots
+      const std::size_t slot = slot_of(from);
+      const std::size_t count = to - from;
+      detail::copy_block(k.tokens(from - first, count), slot_view(state.keys).tokens(slot, count));
+      detail::copy_block(v.tokens(from - first, count), slot_view(state.values).tokens(slot, count));
+      for (std::size_t i = 0; i < count; ++i) state.positions[slot + i] = static_cast<std::int64_t>(from + i);
+    };
+    if (first < sinks_) store_run(first, std::min(end, sinks_));
+    std::size_t from = std::max({first, sinks_, end > ring_ ? end - ring_ : 0});
+    while (from < end) {
+      const std::size_t until_wrap = sinks_ + ring_ - slot_of(from);
+      const std::size_t to = std::min(end, from + until_wrap);
+      store_run(from, to);
+      from = to;
+    }
+    if (end > ring_) state.oldest = std::max(state.oldest, end - ring_);
+    state.stored_end = end;
+  }
+
+  /// Moves a staged chunk's positions into the ring before the next write.
+  void fold_staged(Layer& state, std::size_t length) {
+    const std::size_t staged = length - state.stored_end;
+    if (staged == 0) return;
+    write(state, staging_view(state.staging.keys, state.staging.tokens).tokens(0, staged),
+          staging_view(state.staging.values, state.staging.tokens).tokens(0, staged), state.stored_end);
+  }
+
+  /// The segments attention may read for a layer holding `length` tokens, oldest first.
+  History<T> history(Layer& state, std::size_t length) {
+    std::size_t count = 0;
+    const auto add = [&](TensorView<const T> keys, TensorView<const T> values, const std::int64_t* positions,
+                         std::size_t tokens) {
+      state.segments[count++] = Segment<T>{keys, values, std::span<const std::int64_t>(positions, tokens)};
+    };
+    const auto add_slots = [&](std::size_t slot, std::size_t tokens) {
+      add(slot_view(state.keys).tokens(slot, tokens), slot_view(state.values).tokens(slot, tokens),
+          state.positions.data() + slot, tokens);
+    };
+    if (const std::size_t sink_count = std::min(sinks_, state.stored_end); sink_count != 0) add_slots(0, sink_count);
+    const std::size_t from = std::max(sinks_, state.oldest);
+    if (state.stored_end > from) {
+      const std::size_t held = state.stored_end - from;
+      const std::size_t first_slot = slot_of(from);
+      const std::size_t before_wrap = std::min(held, sinks_ + ring_ - first_slot);
+      add_slots(first_slot, before_wrap);
+      if (held > before_wrap) add_slots(sinks_, held - before_wrap);
+    }
+    if (length > state.stored_end) {
+      const std::size_t staged = length - state.stored_end;
+      add(staging_view(state.staging.keys, state.staging.tokens).tokens(0, staged),
+          staging_view(state.staging.values, state.staging.tokens).tokens(0, staged), state.staging.positions.data(),
+          staged);
+    }
+    KVCACHE_ASSERT(count <= state.segments.size(), "RingKvCache: more segments than expected");
+    return {std::span<const Segment<T>>(state.segments.data(), count), window_, sinks_};
+  }
+
+  detail::Geometry geometry_;
+  std::size_t window_;
+  std::size_t sinks_;
+  std::size_t ring_;  // window + slack: slots after the sinks
+  std::size_t capacity_;
+  std::vector<Layer> layers_;
+  detail::LayerLengths lengths_;
+};
+
+static_assert(kv_cache_protocol<RingKvCache<float>>);
+
+}  // namespace kvcache

@@ -1,0 +1,186 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Non-owning views of the caller's data and of what a cache returns.
+//
+// TensorView<T> is a [batch, heads, tokens, head_dim] block: pointer + shape + strides, in
+// elements, shaped like std::mdspan with a strided layout. The innermost dimension is always
+// contiguous (stride 1), so every (batch, head, token) row of head_dim values is one span.
+// Use TensorView<const T> for read-only data; a TensorView<T> converts to it.
+//
+// History<T> is what update() returns: everything attention may read for one layer, as one
+// or more segments (a wrapped ring is two, pages would be many), each with the absolute
+// position of every key it holds.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+
+namespace kvcache {
+
+/// Extents of a [batch, heads, tokens, head_dim] block.
+struct Shape {
+  std::size_t batch = 0;
+  std::size_t heads = 0;
+  std::size_t tokens = 0;
+  std::size_t head_dim = 0;
+
+  friend constexpr bool operator==(const Shape&, const Shape&) = default;
+
+  /// Number of elements in the block.
+  [[nodiscard]] constexpr std::size_t size() const noexcept { return batch * heads * tokens * head_dim; }
+
+  /// "[B, H, T, D]" for error messages.
+  [[nodiscard]] std::string str() const {
+    return "[" + std::to_string(batch) + ", " + std::to_string(heads) + ", " + std::to_string(tokens) + ", " +
+           std::to_string(head_dim) + "]";
+  }
+};
+
+/// Element strides of the batch, heads and tokens dimensions; head_dim always has stride 1.
+struct Strides {
+  std::size_t batch = 0;
+  std::size_t heads = 0;
+  std::size_t tokens = 0;
+
+  friend constexpr bool operator==(const Strides&, const Strides&) = default;
+
+  /// Strides of a dense row-major block of this shape.
+  [[nodiscard]] static constexpr Strides row_major(const Shape& s) noexcept {
+    return {s.heads * s.tokens * s.head_dim, s.tokens * s.head_dim, s.head_dim};
+  }
+};
+
+namespace detail {
+// Duck-typed Eigen shapes, so this header needs no Eigen include: a rank-4 row-major
+// Tensor/TensorMap, and a row-major 2-D Matrix/Map (one head: [tokens, head_dim]).
+template <class E>
+concept RowMajorTensor4 = requires(E& e) {
+  { e.data() };
+  { e.dimension(0) };
+  requires std::remove_cvref_t<E>::NumIndices == 4;
+  requires static_cast<int>(std::remove_cvref_t<E>::Layout) == 1;  // Eigen::RowMajor
+};
+template <class E>
+concept RowMajorMatrix = requires(E& e) {
+  { e.data() };
+  { e.rows() };
+  { e.cols() };
+  { e.outerStride() };
+  { e.innerStride() };
+  requires static_cast<bool>(std::remove_cvref_t<E>::IsRowMajor);
+};
+}  // namespace detail
+
+/// A non-owning [batch, heads, tokens, head_dim] view; head_dim is contiguous.
+///
+///   std::vector<float> k(1 * 8 * 5 * 64);
+///   kvcache::TensorView<const float> kv(k.data(), {.batch = 1, .heads = 8, .tokens = 5, .head_dim = 64});
+///   Eigen::Tensor<float, 4, Eigen::RowMajor> t(1, 8, 5, 64);
+///   kvcache::TensorView<const float> tv(t);  // from Eigen, no copy
+template <class T>
+class TensorView {
+ public:
+  using element_type = T;
+  using value_type = std::remove_cv_t<T>;
+
+  constexpr TensorView() noexcept = default;
+
+  /// A dense row-major block at `data`.
+  constexpr TensorView(T* data, const Shape& shape) noexcept
+      : data_(data), shape_(shape), strides_(Strides::row_major(shape)) {}
+
+  /// A strided block at `data` (strides in elements; head_dim is contiguous).
+  constexpr TensorView(T* data, const Shape& shape, const Strides& strides) noexcept
+      : data_(data), shape_(shape), strides_(strides) {}
+
+  /// The read-only view of a mutable one.
+  template <class U>
+    requires(std::is_const_v<T> && std::is_same_v<const U, T>)
+  constexpr TensorView(const TensorView<U>& other) noexcept  // NOLINT(google-explicit-constructor)
+      : data_(other.data()), shape_(other.shape()), strides_(other.strides()) {}
+
+  /// A view of a rank-4 row-major Eigen Tensor or TensorMap [B, H, T, D].
+  template <class E>
+    requires detail::RowMajorTensor4<E> && std::is_convertible_v<decltype(std::declval<E&>().data()), T*>
+  TensorView(E& tensor) noexcept  // NOLINT(google-explicit-constructor)
+      : TensorView(tensor.data(),
+                   Shape{static_cast<std::size_t>(tensor.dimension(0)), static_cast<std::size_t>(tensor.dimension(1)),
+                         static_cast<std::size_t>(tensor.dimension(2)),
+                         static_cast<std::size_t>(tensor.dimension(3))}) {}
+
+  /// A view of one head held as a row-major Eigen matrix [tokens, head_dim]: shape [1, 1, T, D].
+  template <class E>
+    requires detail::RowMajorMatrix<E> && std::is_convertible_v<decltype(std::declval<E&>().data()), T*>
+  TensorView(E& matrix) noexcept  // NOLINT(google-explicit-constructor)
+      : TensorView(matrix.data(),
+                   Shape{1, 1, static_cast<std::size_t>(matrix.rows()), static_cast<std::size_t>(matrix.cols())},
+                   Strides{0, 0, static_cast<std::size_t>(matrix.outerStride())}) {}
+
+  [[nodiscard]] constexpr T* data() const noexcept { return data_; }
+  [[nodiscard]] constexpr const Shape& shape() const noexcept { return shape_; }
+  [[nodiscard]] constexpr const Strides& strides() const noexcept { return strides_; }
+  [[nodiscard]] constexpr std::size_t batch() const noexcept { return shape_.batch; }
+  [[nodiscard]] constexpr std::size_t heads() const noexcept { return shape_.heads; }
+  [[nodiscard]] constexpr std::size_t tokens() const noexcept { return shape_.tokens; }
+  [[nodiscard]] constexpr std::size_t head_dim() const noexcept { return shape_.head_dim; }
+
+  /// Pointer to the head_dim contiguous values of (b, h, t).
+  [[nodiscard]] constexpr T* row(std::size_t b, std::size_t h, std::size_t t) const noexcept {
+    return data_ + b * strides_.batch + h * strides_.heads + t * strides_.tokens;
+  }
+
+  /// Element (b, h, t, d).
+  [[nodiscard]] constexpr T& operator()(std::size_t b, std::size_t h, std::size_t t, std::size_t d) const noexcept {
+    return row(b, h, t)[d];
+  }
+
+  /// The tokens [first, first + count) of every (batch, head) slice.
+  [[nodiscard]] constexpr TensorView tokens(std::size_t first, std::size_t count) const noexcept {
+    return {data_ + first * strides_.tokens, {shape_.batch, shape_.heads, count, shape_.head_dim}, strides_};
+  }
+
+ private:
+  T* data_ = nullptr;
+  Shape shape_{};
+  Strides strides_{};
+};
+
+template <class E>
+  requires detail::RowMajorTensor4<E> || detail::RowMajorMatrix<E>
+TensorView(E&) -> TensorView<std::remove_pointer_t<decltype(std::declval<E&>().data())>>;
+
+/// One contiguous run of a layer's history: keys, values and the absolute position of each key.
+/// keys/values are [B, H_kv, n, D] and positions has n entries, shared by every batch row.
+template <class T>
+struct Segment {
+  TensorView<const T> keys;
+  TensorView<const T> values;
+  std::span<const std::int64_t> positions;
+
+  [[nodiscard]] constexpr std::size_t tokens() const noexcept { return positions.size(); }
+};
+
+/// Everything attention may read for one layer, returned by a cache's update().
+///
+/// Valid until the next mutating call (update, truncate, reset) on that layer, like an
+/// iterator. `window` and `sinks` carry the cache's own visibility rule (a ring keeps a few
+/// older keys than its window for rollback; attention must not read them): 0 means none.
+template <class T>
+struct History {
+  std::span<const Segment<T>> segments;
+  std::size_t window = 0;
+  std::size_t sinks = 0;
+
+  /// Total keys over all segments.
+  [[nodiscard]] constexpr std::size_t tokens() const noexcept {
+    std::size_t n = 0;
+    for (const auto& s : segments) n += s.tokens();
+    return n;
+  }
+};
+
+}  // namespace kvcache
