@@ -19,18 +19,18 @@ namespace kvcache {
 ///     kvcache::causal_attention(q, positions, history, out);
 ///   }
 template <class C>
-concept kv_cache_protocol =
-    requires(C& cache, const C& view, std::size_t n, TensorView<const typename C::value_type> kv,
-             std::span<const std::int64_t> positions) {
-      typename C::value_type;
-      { cache.update(n, kv, kv, positions) } -> std::same_as<History<typename C::value_type>>;
-      { view.length() } -> std::same_as<std::size_t>;
-      { view.length(n) } -> std::same_as<std::size_t>;
-      { view.capacity() } -> std::same_as<std::size_t>;
-      { view.layers() } -> std::same_as<std::size_t>;
-      { view.bytes() } -> std::same_as<std::size_t>;
-      cache.truncate(n);
-      cache.reset();
-    };
+concept kv_cache_protocol = requires(C& cache, const C& view, std::size_t n,
+                                     TensorView<const typename C::value_type> kv,
+                                     std::span<const std::int64_t> positions) {
+  typename C::value_type;
+  { cache.update(n, kv, kv, positions) } -> std::same_as<History<typename C::value_type>>;
+  { view.length() } -> std::same_as<std::size_t>;
+  { view.length(n) } -> std::same_as<std::size_t>;
+  { view.capacity() } -> std::same_as<std::size_t>;
+  { view.layers() } -> std::same_as<std::size_t>;
+  { view.bytes() } -> std::same_as<std::size_t>;
+  cache.truncate(n);
+  cache.reset();
+};
 
 }  // namespace kvcache

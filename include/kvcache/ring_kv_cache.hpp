@@ -103,7 +103,8 @@ class RingKvCache {
   /// Bytes allocated for K and V: the ring and the staging areas.
   [[nodiscard]] std::size_t bytes() const noexcept {
     std::size_t total = 0;
-    for (const Layer& l : layers_) total += l.keys.bytes() + l.values.bytes() + l.staging.keys.bytes() + l.staging.values.bytes();
+    for (const Layer& l : layers_)
+      total += l.keys.bytes() + l.values.bytes() + l.staging.keys.bytes() + l.staging.values.bytes();
     return total;
   }
 
@@ -120,8 +121,8 @@ class RingKvCache {
         throw std::out_of_range(detail::expected_given(
             "RingKvCache::truncate: length",
             ">= " + std::to_string(held_from + window_ - 1) + " or <= " + std::to_string(sinks_) + " (layer " +
-                std::to_string(l) + " holds positions from " + std::to_string(held_from) + " on, and a query needs the " +
-                std::to_string(window_) + " before it)",
+                std::to_string(l) + " holds positions from " + std::to_string(held_from) +
+                " on, and a query needs the " + std::to_string(window_) + " before it)",
             std::to_string(length)));
       }
     }

@@ -59,18 +59,18 @@ namespace detail {
 // Tensor/TensorMap, and a row-major 2-D Matrix/Map (one head: [tokens, head_dim]).
 template <class E>
 concept RowMajorTensor4 = requires(E& e) {
-  { e.data() };
-  { e.dimension(0) };
+  {e.data()};
+  {e.dimension(0)};
   requires std::remove_cvref_t<E>::NumIndices == 4;
   requires static_cast<int>(std::remove_cvref_t<E>::Layout) == 1;  // Eigen::RowMajor
 };
 template <class E>
 concept RowMajorMatrix = requires(E& e) {
-  { e.data() };
-  { e.rows() };
-  { e.cols() };
-  { e.outerStride() };
-  { e.innerStride() };
+  {e.data()};
+  {e.rows()};
+  {e.cols()};
+  {e.outerStride()};
+  {e.innerStride()};
   requires static_cast<bool>(std::remove_cvref_t<E>::IsRowMajor);
 };
 }  // namespace detail
@@ -99,23 +99,25 @@ class TensorView {
 
   /// The read-only view of a mutable one.
   template <class U>
-    requires(std::is_const_v<T> && std::is_same_v<const U, T>)
-  constexpr TensorView(const TensorView<U>& other) noexcept  // NOLINT(google-explicit-constructor)
+  requires(std::is_const_v<T>&& std::is_same_v<const U, T>) constexpr TensorView(
+      const TensorView<U>& other) noexcept  // NOLINT(google-explicit-constructor)
       : data_(other.data()), shape_(other.shape()), strides_(other.strides()) {}
 
   /// A view of a rank-4 row-major Eigen Tensor or TensorMap [B, H, T, D].
   template <class E>
-    requires detail::RowMajorTensor4<E> && std::is_convertible_v<decltype(std::declval<E&>().data()), T*>
-  TensorView(E& tensor) noexcept  // NOLINT(google-explicit-constructor)
-      : TensorView(tensor.data(),
-                   Shape{static_cast<std::size_t>(tensor.dimension(0)), static_cast<std::size_t>(tensor.dimension(1)),
-                         static_cast<std::size_t>(tensor.dimension(2)),
-                         static_cast<std::size_t>(tensor.dimension(3))}) {}
+  requires detail::RowMajorTensor4<E> && std::is_convertible_v<decltype(std::declval<E&>().data()), T*> TensorView(
+      E& tensor)
+  noexcept  // NOLINT(google-explicit-constructor)
+      : TensorView(
+            tensor.data(),
+            Shape{static_cast<std::size_t>(tensor.dimension(0)), static_cast<std::size_t>(tensor.dimension(1)),
+                  static_cast<std::size_t>(tensor.dimension(2)), static_cast<std::size_t>(tensor.dimension(3))}) {}
 
   /// A view of one head held as a row-major Eigen matrix [tokens, head_dim]: shape [1, 1, T, D].
   template <class E>
-    requires detail::RowMajorMatrix<E> && std::is_convertible_v<decltype(std::declval<E&>().data()), T*>
-  TensorView(E& matrix) noexcept  // NOLINT(google-explicit-constructor)
+  requires detail::RowMajorMatrix<E> && std::is_convertible_v<decltype(std::declval<E&>().data()), T*> TensorView(
+      E& matrix)
+  noexcept  // NOLINT(google-explicit-constructor)
       : TensorView(matrix.data(),
                    Shape{1, 1, static_cast<std::size_t>(matrix.rows()), static_cast<std::size_t>(matrix.cols())},
                    Strides{0, 0, static_cast<std::size_t>(matrix.outerStride())}) {}
@@ -150,8 +152,8 @@ class TensorView {
 };
 
 template <class E>
-  requires detail::RowMajorTensor4<E> || detail::RowMajorMatrix<E>
-TensorView(E&) -> TensorView<std::remove_pointer_t<decltype(std::declval<E&>().data())>>;
+requires detail::RowMajorTensor4<E> || detail::RowMajorMatrix<E> TensorView(E&)
+->TensorView<std::remove_pointer_t<decltype(std::declval<E&>().data())>>;
 
 /// One contiguous run of a layer's history: keys, values and the absolute position of each key.
 /// keys/values are [B, H_kv, n, D] and positions has n entries, shared by every batch row.

@@ -20,7 +20,7 @@ class AlignedBuffer {
 
   AlignedBuffer() = default;
   explicit AlignedBuffer(std::size_t size, bool zero_fill = true)
-      : data_(size == 0 ? nullptr : static_cast<T*>(::operator new(size * sizeof(T), std::align_val_t{alignment}))),
+      : data_(size == 0 ? nullptr : static_cast<T*>(::operator new (size * sizeof(T), std::align_val_t{alignment}))),
         size_(size) {
     if (zero_fill && size_ != 0) std::memset(static_cast<void*>(data_.get()), 0, size_ * sizeof(T));
   }
@@ -32,7 +32,7 @@ class AlignedBuffer {
 
  private:
   struct Free {
-    void operator()(T* p) const noexcept { ::operator delete(static_cast<void*>(p), std::align_val_t{alignment}); }
+    void operator()(T* p) const noexcept { ::operator delete (static_cast<void*>(p), std::align_val_t{alignment}); }
   };
   std::unique_ptr<T, Free> data_;
   std::size_t size_ = 0;

@@ -12,10 +12,10 @@
 #endif
 
 #if defined(KVCACHE_ENABLE_ASSERTS) && KVCACHE_ENABLE_ASSERTS
-#define KVCACHE_ASSERT(condition, message)                                                               \
-  ((condition) ? static_cast<void>(0)                                                                    \
-               : (std::fprintf(stderr, "%s:%d: kvcache assertion failed: %s\n", __FILE__, __LINE__, message), \
-                  std::abort()))
+#define KVCACHE_ASSERT(condition, message) \
+  ((condition)                             \
+       ? static_cast<void>(0)              \
+       : (std::fprintf(stderr, "%s:%d: kvcache assertion failed: %s\n", __FILE__, __LINE__, message), std::abort()))
 #else
 #define KVCACHE_ASSERT(condition, message) static_cast<void>(0)
 #endif

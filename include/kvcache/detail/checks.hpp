@@ -102,8 +102,7 @@ void check_update(const std::string& call, const Geometry& g, std::size_t layer,
     }
   }
   if (tokens > capacity - length) {
-    throw std::length_error(expected_given(call + ": tokens after update",
-                                           "<= capacity " + std::to_string(capacity),
+    throw std::length_error(expected_given(call + ": tokens after update", "<= capacity " + std::to_string(capacity),
                                            std::to_string(length) + " + " + std::to_string(tokens)));
   }
 }
