@@ -1,0 +1,173 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Causal attention over what a cache's update() returns: any number of segments, any element
+// type, grouped-query heads, a mask computed from positions alone.
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "kvcache/detail/checks.hpp"
+#include "kvcache/views.hpp"
+
+namespace kvcache {
+
+/// How causal_attention scores and masks, with designated initializers:
+///
+///   kvcache::causal_attention(q, positions, history, out, {.window = 4096, .sinks = 4, .threads = 1});
+struct AttentionOptions {
+  float scale = 0.0f;       // 0 = 1/sqrt(D)
+  std::size_t window = 0;   // 0 = none; key k visible to query p iff p - window < k <= p (or k < sinks)
+  std::size_t sinks = 0;    // positions < sinks stay visible through the window
+  std::size_t threads = 0;  // 0 = automatic (no threads for small work); 1 = the caller's thread only
+};
+
+namespace detail {
+
+/// Validates causal_attention's arguments; throws std::invalid_argument naming expected and given.
+template <class T, class Q>
+void check_attention(const TensorView<const Q>& q, std::span<const std::int64_t> q_positions, const History<T>& history,
+                     const TensorView<Q>& out) {
+  const std::string call = "causal_attention";
+  if (out.shape() != q.shape()) {
+    throw std::invalid_argument(
+        expected_given(call + ": out shape", q.shape().str() + " (the shape of q)", out.shape().str()));
+  }
+  if (q_positions.size() != q.tokens()) {
+    throw std::invalid_argument(expected_given(call + ": q_positions count", "q's tokens " + std::to_string(q.tokens()),
+                                               std::to_string(q_positions.size())));
+  }
+  if (q.shape().size() != 0 && (q.data() == nullptr || out.data() == nullptr)) {
+    throw std::invalid_argument(call + ": q and out data: expected non-null pointers for shape " + q.shape().str() +
+                                ", given null");
+  }
+  for (std::size_t s = 0; s < history.segments.size(); ++s) {
+    const Segment<T>& seg = history.segments[s];
+    const std::string name = call + ": history.segments[" + std::to_string(s) + "]";
+    const Shape& k = seg.keys.shape();
+    if (seg.values.shape() != k) {
+      throw std::invalid_argument(
+          expected_given(name + " values shape", k.str() + " (the shape of its keys)", seg.values.shape().str()));
+    }
+    if (seg.positions.size() != k.tokens) {
+      throw std::invalid_argument(expected_given(name + " positions count",
+                                                 "its keys' tokens " + std::to_string(k.tokens),
+                                                 std::to_string(seg.positions.size())));
+    }
+    if (k.batch != q.batch()) {
+      throw std::invalid_argument(
+          expected_given(name + " batch", "q's batch " + std::to_string(q.batch()), std::to_string(k.batch)));
+    }
+    if (k.head_dim != q.head_dim()) {
+      throw std::invalid_argument(expected_given(name + " head_dim", "q's head_dim " + std::to_string(q.head_dim()),
+                                                 std::to_string(k.head_dim)));
+    }
+    const std::size_t kv_heads = history.segments[0].keys.heads();
+    if (k.heads != kv_heads) {
+      throw std::invalid_argument(expected_given(name + " kv_heads", "segment 0's kv_heads " + std::to_string(kv_heads),
+                                                 std::to_string(k.heads)));
+    }
+    if (k.size() != 0 && (seg.keys.data() == nullptr || seg.values.data() == nullptr)) {
+      throw std::invalid_argument(name + " keys and values data: expected non-null pointers for shape " + k.str() +
+                                  ", given null");
+    }
+  }
+  if (!history.segments.empty()) {
+    const std::size_t kv_heads = history.segments[0].keys.heads();
+    if (kv_heads == 0 || q.heads() % kv_heads != 0) {
+      throw std::invalid_argument(expected_given(call + ": q heads",
+                                                 "a multiple of the history's kv_heads " + std::to_string(kv_heads),
+                                                 std::to_string(q.heads())));
+    }
+  }
+}
+
+/// Whether a key at `key` is inside a window of `window` positions ending at query `query`,
+/// or is a sink. A window of 0 imposes nothing.
+inline bool in_window(std::int64_t query, std::int64_t key, std::size_t window, std::size_t sinks) noexcept {
+  if (window == 0) return true;
+  if (key < static_cast<std::int64_t>(sinks)) return true;
+  return static_cast<std::uint64_t>(query - key) < window;
+}
+
+/// Key `key` is visible to query `query`: causal, and inside both the cache's and the caller's windows.
+inline bool visible(std::int64_t query, std::int64_t key, std::size_t window_a, std::size_t sinks_a,
+                    std::size_t window_b, std::size_t sinks_b) noexcept {
+  return key <= query && in_window(query, key, window_a, sinks_a) && in_window(query, key, window_b, sinks_b);
+}
+
+}  // namespace detail
+
+/// out[b, h, t] = softmax over the visible keys of q[b, h, t] . k / sqrt(D), times v.
+/// q, out: [B, H_q, T, D]; q_positions: the T queries' absolute positions (every batch row);
+/// history: what update() returned, [B, H_kv, S, D] in segments, H_q a multiple of H_kv.
+/// Throws std::invalid_argument for mismatched shapes before writing anything.
+template <class T, class Q>
+void causal_attention(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
+                      TensorView<Q> out, const AttentionOptions& options = {}) {
+  static_assert(!std::is_const_v<Q>, "causal_attention: out must be a mutable view (TensorView<float>, not const).");
+  detail::check_attention(q, q_positions, history, out);
+  using Acc = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<Q, double>, double, float>;
+  const std::size_t dim = q.head_dim();
+  if (q.shape().size() == 0) return;
+  const Acc scale = options.scale != 0.0f ? static_cast<Acc>(options.scale) : Acc{1} / std::sqrt(static_cast<Acc>(dim));
+  const std::size_t kv_heads = history.segments.empty() ? 1 : history.segments[0].keys.heads();
+  const std::size_t group = q.heads() / kv_heads;
+  std::vector<Acc> acc(dim);
+  std::vector<Acc> qrow(dim);
+  for (std::size_t b = 0; b < q.batch(); ++b) {
+    for (std::size_t h = 0; h < q.heads(); ++h) {
+      const std::size_t kvh = h / group;
+      for (std::size_t t = 0; t < q.tokens(); ++t) {
+        const std::int64_t p = q_positions[t];
+        for (std::size_t d = 0; d < dim; ++d) qrow[d] = static_cast<Acc>(q(b, h, t, d));
+        Acc max = -std::numeric_limits<Acc>::infinity();
+        Acc sum = 0;
+        std::fill(acc.begin(), acc.end(), Acc{0});
+        for (const Segment<T>& seg : history.segments) {
+          for (std::size_t j = 0; j < seg.tokens(); ++j) {
+            if (!detail::visible(p, seg.positions[j], history.window, history.sinks, options.window, options.sinks)) {
+              continue;
+            }
+            const T* k = seg.keys.row(b, kvh, j);
+            const T* v = seg.values.row(b, kvh, j);
+            Acc s = 0;
+            for (std::size_t d = 0; d < dim; ++d) s += qrow[d] * static_cast<Acc>(k[d]);
+            s *= scale;
+            if (s > max) {
+              const Acc c = std::exp(max - s);
+              sum *= c;
+              for (auto& a : acc) a *= c;
+              max = s;
+            }
+            const Acc w = std::exp(s - max);
+            sum += w;
+            for (std::size_t d = 0; d < dim; ++d) acc[d] += w * static_cast<Acc>(v[d]);
+          }
+        }
+        Q* o = out.row(b, h, t);
+        const Acc inv = sum > 0 ? Acc{1} / sum : Acc{0};
+        for (std::size_t d = 0; d < dim; ++d) o[d] = static_cast<Q>(acc[d] * inv);
+      }
+    }
+  }
+}
+
+/// causal_attention for a mutable q view, so TensorView<float> works without a cast.
+template <class T, class Q>
+requires(!std::is_const_v<Q>) void causal_attention(TensorView<Q> q, std::span<const std::int64_t> q_positions,
+                                                    const History<T>& history, TensorView<Q> out,
+                                                    const AttentionOptions& options = {}) {
+  causal_attention(TensorView<const Q>(q), q_positions, history, out, options);
+}
+
+}  // namespace kvcache
