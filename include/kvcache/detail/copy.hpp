@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstring>
+#include <type_traits>
 
 #include "kvcache/detail/assert.hpp"
 #include "kvcache/views.hpp"
@@ -11,7 +12,7 @@ namespace kvcache::detail {
 /// Copies a [B, H, T, D] block between views of the same shape: one memcpy per (b, h) slice
 /// when both sides hold its rows back to back, one per row otherwise.
 template <class T>
-void copy_block(const TensorView<const T>& from, const TensorView<T>& to) noexcept {
+void copy_block(const std::type_identity_t<TensorView<const T>>& from, const TensorView<T>& to) noexcept {
   KVCACHE_ASSERT(from.shape() == to.shape(), "copy_block: shapes differ");
   const std::size_t tokens = from.tokens();
   const std::size_t dim = from.head_dim();

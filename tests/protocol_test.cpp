@@ -1,0 +1,269 @@
+// SPDX-License-Identifier: Apache-2.0
+// The update protocol, checked the same way on every cache variant and element type.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cache_test_support.hpp"
+#include "kvcache/concepts.hpp"
+
+namespace kvcache::testing {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+static_assert(kv_cache_protocol<KvCache<Eigen::bfloat16>>);
+static_assert(kv_cache_protocol<ConcatKvCache<Eigen::half>>);
+static_assert(kv_cache_protocol<RingKvCache<double>>);
+static_assert(std::is_trivially_copyable_v<TensorView<const float>>);
+static_assert(std::is_trivially_copyable_v<History<float>>);
+
+template <class Cache>
+class Protocol : public ::testing::Test {
+ protected:
+  using T = typename Cache::value_type;
+  static constexpr std::size_t layers = 3, batch = 2, kv_heads = 2, head_dim = 4, capacity = 16;
+
+  // A ring whose window covers the whole capacity behaves like the dense caches here; the
+  // ring's own behaviour past its window is checked in ring_kv_cache_test and differential_test.
+  static Cache make() {
+    KvCacheConfig config{
+        .layers = layers, .batch = batch, .kv_heads = kv_heads, .head_dim = head_dim, .capacity = capacity};
+    if constexpr (is_ring<Cache>) {
+      config.window = capacity;
+      config.slack = 2;
+    }
+    return Cache(config);
+  }
+
+  /// Feeds `tokens` new tokens to every layer; remembers what each layer should hold.
+  void feed(Cache& cache, std::size_t tokens) {
+    for (std::size_t layer = 0; layer < layers; ++layer) feed_layer(cache, layer, tokens);
+  }
+
+  History<T> feed_layer(Cache& cache, std::size_t layer, std::size_t tokens) {
+    const std::size_t start = cache.length(layer);
+    Block<T> k({batch, kv_heads, tokens, head_dim}, seed_++);
+    Block<T> v({batch, kv_heads, tokens, head_dim}, seed_++);
+    const auto positions = arange(start, tokens);
+    History<T> history = cache.update(layer, k.view(), v.view(), positions);
+    auto& expected = expected_[layer];
+    expected.erase(expected.lower_bound(static_cast<std::int64_t>(start)), expected.end());
+    for (std::size_t t = 0; t < tokens; ++t) expected[positions[t]] = row_of(k.view(), v.view(), t);
+    return history;
+  }
+
+  std::map<std::int64_t, Row> expected_[layers];
+  std::uint64_t seed_ = 1;
+};
+
+TYPED_TEST_SUITE(Protocol, AllCaches, CacheName);
+
+TYPED_TEST(Protocol, UpdateReturnsEveryTokenWithItsPositionAfterPrefillChunkAndDecode) {
+  auto cache = this->make();
+  for (std::size_t tokens : {3U, 2U, 1U, 1U, 1U}) {
+    for (std::size_t layer = 0; layer < this->layers; ++layer) {
+      const auto history = this->feed_layer(cache, layer, tokens);
+      EXPECT_EQ(flatten(history), this->expected_[layer]) << "layer " << layer;
+    }
+  }
+  EXPECT_EQ(cache.length(), 8U);
+  EXPECT_EQ(cache.layers(), this->layers);
+  EXPECT_EQ(cache.capacity(), this->capacity);
+}
+
+TYPED_TEST(Protocol, HistoryStaysValidWhileOtherLayersUpdate) {
+  auto cache = this->make();
+  const auto history = this->feed_layer(cache, 0, 4);
+  this->feed_layer(cache, 1, 4);
+  this->feed_layer(cache, 2, 4);
+  EXPECT_EQ(flatten(history), this->expected_[0]);
+}
+
+TYPED_TEST(Protocol, ZeroTokenUpdateChangesNothing) {
+  auto cache = this->make();
+  this->feed(cache, 3);
+  const auto history = this->feed_layer(cache, 0, 0);
+  EXPECT_EQ(flatten(history), this->expected_[0]);
+  EXPECT_EQ(cache.length(), 3U);
+}
+
+TYPED_TEST(Protocol, TruncateForgetsTheTailAndNewTokensReplaceIt) {
+  auto cache = this->make();
+  this->feed(cache, 6);
+  cache.truncate(4);
+  EXPECT_EQ(cache.length(), 4U);
+  for (std::size_t layer = 0; layer < this->layers; ++layer) {
+    const auto history = this->feed_layer(cache, layer, 2);
+    EXPECT_EQ(flatten(history), this->expected_[layer]) << "layer " << layer;
+  }
+  EXPECT_EQ(cache.length(), 6U);
+}
+
+TYPED_TEST(Protocol, ResetStartsOverAtPositionZero) {
+  auto cache = this->make();
+  this->feed(cache, 5);
+  cache.reset();
+  EXPECT_EQ(cache.length(), 0U);
+  const auto history = this->feed_layer(cache, 0, 2);
+  EXPECT_EQ(flatten(history).size(), 2U);
+  EXPECT_EQ(flatten(history).begin()->first, 0);
+}
+
+TYPED_TEST(Protocol, PartWayPassMakesLengthThrowNamingTheLayersUntilRepaired) {
+  auto cache = this->make();
+  this->feed(cache, 5);
+  this->feed_layer(cache, 0, 1);  // the pass stops after layer 0
+  EXPECT_EQ(cache.length(0), 6U);
+  EXPECT_EQ(cache.length(1), 5U);
+  try {
+    (void)cache.length();
+    FAIL() << "length() must throw while layers disagree";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("layer 0 hold 6"), HasSubstr("layers 1-2 hold 5")));
+  }
+  EXPECT_THROW(cache.truncate(6), std::out_of_range);  // layers 1-2 never held token 5
+  cache.truncate(5);
+  EXPECT_EQ(cache.length(), 5U);
+
+  this->feed_layer(cache, 0, 1);
+  cache.reset();
+  EXPECT_EQ(cache.length(), 0U);
+}
+
+TYPED_TEST(Protocol, CapacityIsEnforced) {
+  auto cache = this->make();
+  this->feed(cache, this->capacity);
+  EXPECT_EQ(cache.length(), this->capacity);
+  Block<typename TestFixture::T> k({this->batch, this->kv_heads, 1, this->head_dim}, 99);
+  EXPECT_THROW(cache.update(0, k.view(), k.view(), arange(this->capacity, 1)), std::length_error);
+}
+
+TYPED_TEST(Protocol, LengthOfABadLayerThrows) {
+  auto cache = this->make();
+  EXPECT_THROW((void)cache.length(this->layers), std::out_of_range);
+}
+
+TYPED_TEST(Protocol, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
+  using E = typename TestFixture::T;
+  using Cache = TypeParam;
+  constexpr std::size_t B = TestFixture::batch, H = TestFixture::kv_heads, D = TestFixture::head_dim;
+  const Block<E> good({B, H, 1, D}, 7);
+  const auto at5 = arange(5, 1);
+  const auto update_with = [&](std::size_t layer, Shape k_shape, Shape v_shape, std::vector<std::int64_t> positions) {
+    return [=](Cache& cache) {
+      const Block<E> k(k_shape, 11);
+      const Block<E> v(v_shape, 12);
+      cache.update(layer, k.view(), v.view(), positions);
+    };
+  };
+  struct Case {
+    std::string name;
+    std::function<void(Cache&)> call;
+    enum { kOutOfRange, kInvalidArgument, kLengthError } type;
+    std::vector<std::string> parts;
+  };
+  const std::vector<Case> cases = {
+      {"layer",
+       update_with(3, {B, H, 1, D}, {B, H, 1, D}, at5),
+       Case::kOutOfRange,
+       {"layer", "expected < 3", "given 3"}},
+      {"batch",
+       update_with(0, {1, H, 1, D}, {1, H, 1, D}, at5),
+       Case::kInvalidArgument,
+       {"batch", "expected 2", "given 1"}},
+      {"kv_heads",
+       update_with(0, {B, 3, 1, D}, {B, 3, 1, D}, at5),
+       Case::kInvalidArgument,
+       {"kv_heads", "expected 2", "given 3"}},
+      {"head_dim",
+       update_with(0, {B, H, 1, 5}, {B, H, 1, 5}, at5),
+       Case::kInvalidArgument,
+       {"head_dim", "expected 4", "given 5"}},
+      {"v tokens",
+       update_with(0, {B, H, 1, D}, {B, H, 2, D}, at5),
+       Case::kInvalidArgument,
+       {"v shape", "[2, 2, 1, 4]", "given [2, 2, 2, 4]"}},
+      {"v head_dim",
+       update_with(0, {B, H, 1, D}, {B, H, 1, 3}, at5),
+       Case::kInvalidArgument,
+       {"v shape", "[2, 2, 1, 4]", "given [2, 2, 1, 3]"}},
+      {"positions count",
+       update_with(0, {B, H, 1, D}, {B, H, 1, D}, arange(5, 2)),
+       Case::kInvalidArgument,
+       {"positions count", "expected k's tokens 1", "given 2"}},
+      {"position gap",
+       update_with(0, {B, H, 1, D}, {B, H, 1, D}, arange(6, 1)),
+       Case::kInvalidArgument,
+       {"positions[0]", "expected 5", "given 6"}},
+      {"position repeated",
+       update_with(0, {B, H, 1, D}, {B, H, 1, D}, arange(4, 1)),
+       Case::kInvalidArgument,
+       {"positions[0]", "expected 5", "given 4"}},
+      {"positions restart",
+       update_with(0, {B, H, 2, D}, {B, H, 2, D}, arange(0, 2)),
+       Case::kInvalidArgument,
+       {"positions[0]", "expected 5", "given 0"}},
+      {"positions out of order",
+       update_with(1, {B, H, 2, D}, {B, H, 2, D}, {5, 7}),
+       Case::kInvalidArgument,
+       {"positions[1]", "expected 6", "given 7"}},
+      {"capacity",
+       update_with(2, {B, H, 12, D}, {B, H, 12, D}, arange(5, 12)),
+       Case::kLengthError,
+       {"capacity 16", "5 + 12"}},
+      {"truncate beyond length",
+       [](Cache& cache) { cache.truncate(6); },
+       Case::kOutOfRange,
+       {"truncate", "<= 5", "given 6"}},
+  };
+
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto cache = this->make();
+    auto twin = this->make();
+    for (std::size_t step : {3U, 2U}) {
+      for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) {
+        const Block<E> k({B, H, step, D}, 100 + layer + step);
+        const auto positions = arange(cache.length(layer), step);
+        cache.update(layer, k.view(), k.view(), positions);
+        twin.update(layer, k.view(), k.view(), positions);
+      }
+    }
+    const std::size_t bytes_before = cache.bytes();
+    std::string message;
+    try {
+      c.call(cache);
+      ADD_FAILURE() << "no exception";
+    } catch (const std::out_of_range& e) {
+      EXPECT_EQ(c.type, Case::kOutOfRange) << e.what();
+      message = e.what();
+    } catch (const std::length_error& e) {
+      EXPECT_EQ(c.type, Case::kLengthError) << e.what();
+      message = e.what();
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(c.type, Case::kInvalidArgument) << e.what();
+      message = e.what();
+    }
+    for (const std::string& part : c.parts) EXPECT_THAT(message, HasSubstr(part));
+
+    // Unchanged: same lengths and bytes, and the next good update returns exactly what the
+    // twin that never saw the bad call returns.
+    EXPECT_EQ(cache.length(), 5U);
+    EXPECT_EQ(cache.bytes(), bytes_before);
+    for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) {
+      EXPECT_EQ(flatten(cache.update(layer, good.view(), good.view(), at5)),
+                flatten(twin.update(layer, good.view(), good.view(), at5)))
+          << "layer " << layer;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvcache::testing
