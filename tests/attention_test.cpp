@@ -1,0 +1,605 @@
+// SPDX-License-Identifier: Apache-2.0
+// causal_attention against a naive reference (explicit mask, full softmax in double), over
+// histories from every cache variant and every element type, plus the cases that matter by
+// themselves: the prefix-plus-chunk rectangle, fully masked rows, threads, bad input.
+
+#include <gtest/gtest.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvcache/kvcache.hpp"
+
+namespace kvcache {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Reference: every key of a sequence at positions 0..N-1, a mask written out per (query, key),
+// a full softmax in double.
+
+/// A window rule as the contract states it: 0 imposes nothing; sinks stay visible.
+struct WindowRule {
+  std::size_t window = 0;
+  std::size_t sinks = 0;
+  [[nodiscard]] bool allows(std::int64_t query, std::int64_t key) const {
+    return window == 0 || key < static_cast<std::int64_t>(sinks) || query - static_cast<std::int64_t>(window) < key;
+  }
+};
+
+/// [B, H, T, D] values held in double, for the reference and for comparing.
+struct Dense {
+  Shape shape;
+  std::vector<double> data;
+  explicit Dense(const Shape& s) : shape(s), data(s.size(), 0.0) {}
+  double& at(std::size_t b, std::size_t h, std::size_t t, std::size_t d) {
+    return data[((b * shape.heads + h) * shape.tokens + t) * shape.head_dim + d];
+  }
+  [[nodiscard]] double at(std::size_t b, std::size_t h, std::size_t t, std::size_t d) const {
+    return data[((b * shape.heads + h) * shape.tokens + t) * shape.head_dim + d];
+  }
+};
+
+/// out[b, h, t] for queries at q_positions over keys at positions 0..N-1 ([B, H_kv, N, D]).
+Dense reference_attention(const Dense& q, const std::vector<std::int64_t>& q_positions, const Dense& k, const Dense& v,
+                          double scale, const std::vector<WindowRule>& rules) {
+  Dense out(q.shape);
+  const std::size_t group = q.shape.heads / k.shape.heads;
+  const std::size_t keys = k.shape.tokens;
+  const std::size_t dim = q.shape.head_dim;
+  std::vector<double> scores(keys);
+  std::vector<char> mask(keys);
+  for (std::size_t b = 0; b < q.shape.batch; ++b) {
+    for (std::size_t h = 0; h < q.shape.heads; ++h) {
+      for (std::size_t t = 0; t < q.shape.tokens; ++t) {
+        const std::int64_t p = q_positions[t];
+        double max = -std::numeric_limits<double>::infinity();
+        for (std::size_t j = 0; j < keys; ++j) {
+          const auto key = static_cast<std::int64_t>(j);
+          mask[j] = key <= p &&
+                    std::all_of(rules.begin(), rules.end(), [&](const WindowRule& r) { return r.allows(p, key); });
+          if (!mask[j]) continue;
+          double s = 0;
+          for (std::size_t d = 0; d < dim; ++d) s += q.at(b, h, t, d) * k.at(b, h / group, j, d);
+          scores[j] = s * scale;
+          max = std::max(max, scores[j]);
+        }
+        double sum = 0;
+        for (std::size_t j = 0; j < keys; ++j) {
+          if (!mask[j]) continue;
+          scores[j] = std::exp(scores[j] - max);
+          sum += scores[j];
+        }
+        for (std::size_t j = 0; j < keys; ++j) {
+          if (!mask[j]) continue;
+          for (std::size_t d = 0; d < dim; ++d) out.at(b, h, t, d) += scores[j] / sum * v.at(b, h / group, j, d);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Seeded data in the element type under test, and its exact value in double.
+
+template <class T>
+double to_double(T x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return x;
+  } else {
+    return static_cast<double>(static_cast<float>(x));
+  }
+}
+
+template <class T>
+struct Block {
+  Shape shape;
+  std::vector<T> data;
+  Block(const Shape& s, std::uint64_t seed) : shape(s), data(s.size()) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> dist(-1.0F, 1.0F);
+    for (T& x : data) x = static_cast<T>(dist(rng));
+  }
+  [[nodiscard]] TensorView<const T> view() const { return {data.data(), shape}; }
+  [[nodiscard]] TensorView<T> mutable_view() { return {data.data(), shape}; }
+  /// The values as stored (already rounded to T), in double.
+  [[nodiscard]] Dense exact() const {
+    Dense d(shape);
+    for (std::size_t i = 0; i < data.size(); ++i) d.data[i] = to_double(data[i]);
+    return d;
+  }
+};
+
+std::vector<std::int64_t> arange(std::size_t first, std::size_t count) {
+  std::vector<std::int64_t> p(count);
+  std::iota(p.begin(), p.end(), static_cast<std::int64_t>(first));
+  return p;
+}
+
+/// Largest |a - b| over a view and its reference.
+template <class Q>
+double max_error(TensorView<const Q> got, const Dense& want) {
+  double worst = 0;
+  for (std::size_t b = 0; b < got.batch(); ++b)
+    for (std::size_t h = 0; h < got.heads(); ++h)
+      for (std::size_t t = 0; t < got.tokens(); ++t)
+        for (std::size_t d = 0; d < got.head_dim(); ++d) {
+          const double g = to_double(got(b, h, t, d));
+          if (!std::isfinite(g)) return std::numeric_limits<double>::infinity();
+          worst = std::max(worst, std::abs(g - want.at(b, h, t, d)));
+        }
+  return worst;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The sampled grid. Each case is one sequence of N tokens whose last T are the chunk being
+// attended; the prefix goes in through several updates so rings wrap and stage.
+
+struct Case {
+  std::size_t batch;
+  std::size_t kv_heads;
+  std::size_t group;  // H_q / H_kv
+  std::size_t head_dim;
+  std::size_t chunk;   // T
+  std::size_t tokens;  // N, the whole sequence including the chunk
+  WindowRule option;   // AttentionOptions window/sinks, applied for every cache
+  WindowRule ring;     // the RingKvCache's own window/sinks (window 0: N, which never wraps)
+  std::size_t slack;   // the ring's slack: keys older than its window it keeps and must hide
+  float scale;         // 0: 1/sqrt(D)
+};
+
+// T in {1, 2, 7, 64}, N up to 2048, H_q/H_kv in {1, 2, 4, 8}, D in {32, 64, 128}, with and
+// without windows and sinks, on either side. Rings with slack keep keys attention must not read;
+// a chunk longer than slack + 1 is staged as a segment of its own.
+const std::vector<Case> kCases = {
+    {1, 1, 1, 32, 1, 1, {}, {}, 0, 0.0F},
+    {2, 2, 2, 64, 2, 37, {}, {16, 0}, 3, 0.0F},
+    {1, 2, 4, 128, 7, 300, {}, {50, 3}, 2, 0.0F},
+    {2, 1, 8, 32, 64, 200, {16, 0}, {40, 2}, 8, 0.0F},
+    {1, 2, 1, 64, 64, 2048, {}, {}, 0, 0.0F},
+    {1, 1, 4, 128, 1, 2048, {300, 4}, {512, 0}, 16, 0.0F},
+    {1, 4, 2, 32, 7, 513, {}, {64, 4}, 0, 2.0F},
+    {1, 1, 8, 128, 2, 1000, {0, 5}, {128, 1}, 4, 0.0F},
+    {2, 2, 2, 64, 1, 129, {64, 2}, {100, 0}, 0, 0.0F},
+    {1, 1, 2, 128, 64, 700, {100, 4}, {256, 4}, 70, 0.5F},
+    {1, 2, 4, 32, 1, 1500, {}, {}, 0, 8.0F},  // peaked softmax: exercises the running max
+};
+
+template <class T>
+struct Tolerance;
+// Float accumulation over up to 2048 keys of values in [-1, 1]; the reference reads the same
+// rounded inputs, so the 16-bit types differ only by accumulation error.
+template <>
+struct Tolerance<float> {
+  static constexpr double value = 2e-5;
+};
+template <>
+struct Tolerance<double> {
+  static constexpr double value = 1e-12;
+};
+template <>
+struct Tolerance<Eigen::half> {
+  static constexpr double value = 2e-5;
+};
+template <>
+struct Tolerance<Eigen::bfloat16> {
+  static constexpr double value = 2e-5;
+};
+
+/// The q/out type a test uses for storage type T: 16-bit caches are attended in float.
+template <class T>
+using QueryType = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+enum class Variant { kDense, kConcat, kRing };
+
+const char* name(Variant v) {
+  return v == Variant::kDense ? "KvCache" : v == Variant::kConcat ? "ConcatKvCache" : "RingKvCache";
+}
+
+/// Feeds the sequence through a cache of `variant` and attends the chunk; returns the
+/// largest error against the reference (and fails the test when it is too large).
+template <class T>
+void run_case(const Case& c, Variant variant, std::uint64_t seed) {
+  using Q = QueryType<T>;
+  const std::size_t q_heads = c.kv_heads * c.group;
+  const Block<T> k({c.batch, c.kv_heads, c.tokens, c.head_dim}, seed);
+  const Block<T> v({c.batch, c.kv_heads, c.tokens, c.head_dim}, seed + 1);
+  Block<T> q_stored({c.batch, q_heads, c.chunk, c.head_dim}, seed + 2);
+  std::vector<Q> q_data(q_stored.data.size());
+  for (std::size_t i = 0; i < q_data.size(); ++i) q_data[i] = static_cast<Q>(to_double(q_stored.data[i]));
+  const TensorView<const Q> q(q_data.data(), q_stored.shape);
+
+  const std::size_t ring_window = c.ring.window == 0 ? c.tokens : c.ring.window;
+  const KvCacheConfig config{.layers = 1,
+                             .batch = c.batch,
+                             .kv_heads = c.kv_heads,
+                             .head_dim = c.head_dim,
+                             .capacity = c.tokens,
+                             .window = variant == Variant::kRing ? ring_window : 0,
+                             .sinks = variant == Variant::kRing ? c.ring.sinks : 0,
+                             .slack = variant == Variant::kRing ? c.slack : 0};
+  std::vector<WindowRule> rules{c.option};
+  if (variant == Variant::kRing) rules.push_back({ring_window, c.ring.sinks});
+  const double scale = c.scale != 0.0F ? static_cast<double>(c.scale) : 1.0 / std::sqrt(double(c.head_dim));
+  const std::vector<std::int64_t> q_positions = arange(c.tokens - c.chunk, c.chunk);
+  const Dense want = reference_attention(q_stored.exact(), q_positions, k.exact(), v.exact(), scale, rules);
+
+  std::vector<Q> out_data(q_data.size(), std::numeric_limits<Q>::quiet_NaN());
+  const TensorView<Q> out(out_data.data(), q.shape());
+  const AttentionOptions options{.scale = c.scale, .window = c.option.window, .sinks = c.option.sinks};
+  const auto attend = [&](auto& cache) {
+    // The prefix in uneven pieces: a third, single tokens, then the rest.
+    const std::size_t prefix = c.tokens - c.chunk;
+    std::size_t done = 0;
+    for (std::size_t piece : {prefix / 3, std::size_t{1}, std::size_t{1}, prefix}) {
+      piece = std::min(piece, prefix - done);
+      if (piece == 0) continue;
+      (void)cache.update(0, k.view().tokens(done, piece), v.view().tokens(done, piece), arange(done, piece));
+      done += piece;
+    }
+    const auto history = cache.update(0, k.view().tokens(prefix, c.chunk), v.view().tokens(prefix, c.chunk),
+                                      std::span<const std::int64_t>(q_positions));
+    causal_attention(q, q_positions, history, out, options);
+  };
+  if (variant == Variant::kDense) {
+    KvCache<T> cache(config);
+    attend(cache);
+  } else if (variant == Variant::kConcat) {
+    ConcatKvCache<T> cache(config);
+    attend(cache);
+  } else {
+    RingKvCache<T> cache(config);
+    attend(cache);
+  }
+  const double error = max_error<Q>(out, want);
+  EXPECT_LE(error, Tolerance<T>::value) << name(variant) << " B=" << c.batch << " H_kv=" << c.kv_heads
+                                        << " G=" << c.group << " D=" << c.head_dim << " T=" << c.chunk
+                                        << " N=" << c.tokens << " window=" << c.option.window << "/" << c.ring.window
+                                        << " sinks=" << c.option.sinks << "/" << c.ring.sinks;
+}
+
+template <class T>
+class AttentionTyped : public ::testing::Test {};
+
+struct TypeName {
+  template <class T>
+  static std::string GetName(int) {
+    return std::is_same_v<T, float>         ? "float"
+           : std::is_same_v<T, double>      ? "double"
+           : std::is_same_v<T, Eigen::half> ? "half"
+                                            : "bfloat16";
+  }
+};
+
+using ElementTypes = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16>;
+TYPED_TEST_SUITE(AttentionTyped, ElementTypes, TypeName);
+
+TYPED_TEST(AttentionTyped, MatchesReferenceOverEveryCacheVariant) {
+  std::uint64_t seed = 1000;
+  for (const Case& c : kCases) {
+    for (Variant variant : {Variant::kDense, Variant::kConcat, Variant::kRing}) {
+      run_case<TypeParam>(c, variant, seed);
+      seed += 10;
+    }
+  }
+}
+
+// q and out in the storage type itself: the output is rounded once, at the end.
+TYPED_TEST(AttentionTyped, QueriesInTheStorageType) {
+  using T = TypeParam;
+  const std::size_t heads = 4;
+  const std::size_t kv_heads = 2;
+  const std::size_t dim = 64;
+  const std::size_t keys = 300;
+  const std::size_t chunk = 3;
+  const Block<T> k({1, kv_heads, keys, dim}, 7);
+  const Block<T> v({1, kv_heads, keys, dim}, 8);
+  Block<T> q({1, heads, chunk, dim}, 9);
+  KvCache<T> cache({.layers = 1, .kv_heads = kv_heads, .head_dim = dim, .capacity = keys});
+  const auto history = cache.update(0, k.view(), v.view(), arange(0, keys));
+  const std::vector<std::int64_t> q_positions = arange(keys - chunk, chunk);
+  const Dense want = reference_attention(q.exact(), q_positions, k.exact(), v.exact(), 1.0 / 8.0, {});
+  std::vector<T> out_data(q.data.size());
+  const TensorView<T> out(out_data.data(), q.shape);
+  causal_attention(q.mutable_view(), q_positions, history, out);
+  // Rounding the output to T costs half an ulp of values below 1: 2^-8 (bfloat16), 2^-11 (half).
+  const double tolerance = std::is_same_v<T, Eigen::bfloat16> ? 4e-3
+                           : std::is_same_v<T, Eigen::half>   ? 5e-4
+                           : std::is_same_v<T, float>         ? 2e-5
+                                                              : 1e-12;
+  EXPECT_LE(max_error<T>(out, want), tolerance);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rectangle: 3 cached tokens plus a chunk of 2. Every key is zero, so every visible key
+// scores the same; value j is the one-hot e_j, so out[t] shows exactly which keys query t saw.
+
+struct Rectangle {
+  static constexpr std::size_t kDim = 8;
+  std::vector<float> keys = std::vector<float>(5 * kDim, 0.0F);
+  std::vector<float> values = std::vector<float>(5 * kDim, 0.0F);
+  std::vector<float> q = std::vector<float>(2 * kDim, 0.25F);
+  std::vector<float> out = std::vector<float>(2 * kDim, -1.0F);
+  Rectangle() {
+    for (std::size_t j = 0; j < 5; ++j) values[j * kDim + j] = 1.0F;
+  }
+};
+
+TEST(AttentionRectangle, CachedPrefixPlusChunkSeesAllEarlierKeys) {
+  Rectangle r;
+  KvCache<float> cache({.layers = 1, .kv_heads = 1, .head_dim = Rectangle::kDim, .capacity = 8});
+  const auto view = [](std::vector<float>& data, std::size_t first, std::size_t count) {
+    return TensorView<const float>(data.data() + first * Rectangle::kDim, {1, 1, count, Rectangle::kDim});
+  };
+  (void)cache.update(0, view(r.keys, 0, 3), view(r.values, 0, 3), arange(0, 3));
+  const std::vector<std::int64_t> chunk = arange(3, 2);
+  const auto history = cache.update(0, view(r.keys, 3, 2), view(r.values, 3, 2), chunk);
+  causal_attention(TensorView<const float>(r.q.data(), {1, 1, 2, Rectangle::kDim}), chunk, history,
+                   TensorView<float>(r.out.data(), {1, 1, 2, Rectangle::kDim}));
+
+  // Rows of the [T = 2, S = 5] mask: query 3 sees keys 0-3, query 4 sees keys 0-4.
+  const std::vector<std::vector<float>> rectangle = {{0.25F, 0.25F, 0.25F, 0.25F, 0.0F},
+                                                     {0.2F, 0.2F, 0.2F, 0.2F, 0.2F}};
+  // A top-left triangle (query i sees keys 0..i of the chunk's own [T, S] matrix) would give these.
+  const std::vector<std::vector<float>> triangle = {{1.0F, 0.0F, 0.0F, 0.0F, 0.0F}, {0.5F, 0.5F, 0.0F, 0.0F, 0.0F}};
+  for (std::size_t t = 0; t < 2; ++t) {
+    for (std::size_t d = 0; d < Rectangle::kDim; ++d) {
+      const float want = d < 5 ? rectangle[t][d] : 0.0F;
+      EXPECT_NEAR(r.out[t * Rectangle::kDim + d], want, 1e-6F) << "query " << t + 3 << " dim " << d;
+    }
+  }
+  // The triangle differs from the rectangle in every row, so the checks above reject it.
+  for (std::size_t t = 0; t < 2; ++t) {
+    float differs = 0;
+    for (std::size_t d = 0; d < 5; ++d) differs = std::max(differs, std::abs(triangle[t][d] - rectangle[t][d]));
+    EXPECT_GT(differs, 0.1F) << "row " << t;
+  }
+}
+
+TEST(AttentionRectangle, TopLeftTriangleReferenceFailsTheRectangle) {
+  // The reference with a top-left mask (key index <= query index in the [T, S] matrix) does
+  // not produce what causal_attention produces for the rectangle.
+  Rectangle r;
+  KvCache<float> cache({.layers = 1, .kv_heads = 1, .head_dim = Rectangle::kDim, .capacity = 8});
+  const auto history = cache.update(0, TensorView<const float>(r.keys.data(), {1, 1, 5, Rectangle::kDim}),
+                                    TensorView<const float>(r.values.data(), {1, 1, 5, Rectangle::kDim}), arange(0, 5));
+  const std::vector<std::int64_t> chunk = arange(3, 2);
+  causal_attention(TensorView<const float>(r.q.data(), {1, 1, 2, Rectangle::kDim}), chunk, history,
+                   TensorView<float>(r.out.data(), {1, 1, 2, Rectangle::kDim}));
+  // Top-left triangle: query i (0 or 1 within the chunk) averages values 0..i.
+  for (std::size_t t = 0; t < 2; ++t) {
+    float triangle_error = 0;
+    for (std::size_t d = 0; d < 5; ++d) {
+      const float triangle = d <= t ? 1.0F / static_cast<float>(t + 1) : 0.0F;
+      triangle_error = std::max(triangle_error, std::abs(r.out[t * Rectangle::kDim + d] - triangle));
+    }
+    EXPECT_GT(triangle_error, 0.1F) << "query " << t + 3 << " looks like a top-left triangle";
+    EXPECT_NEAR(r.out[t * Rectangle::kDim + t + 3], 1.0F / static_cast<float>(t + 4), 1e-6F);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Masks that leave nothing visible, windows, sinks.
+
+TEST(AttentionMask, FullyMaskedRowsGiveZeros) {
+  const std::size_t dim = 16;
+  const Block<float> k({1, 1, 10, dim}, 1);
+  const Block<float> v({1, 1, 10, dim}, 2);
+  const Block<float> q({1, 2, 3, dim}, 3);
+  KvCache<float> cache({.layers = 1, .kv_heads = 1, .head_dim = dim, .capacity = 10});
+  const auto history = cache.update(0, k.view(), v.view(), arange(0, 10));
+  std::vector<float> out(q.data.size(), std::numeric_limits<float>::quiet_NaN());
+  // Query -1 precedes every key; query 30 with a window of 5 reaches only 26-30, which are absent;
+  // query 9 sees keys 5-9.
+  const std::vector<std::int64_t> positions{-1, 30, 9};
+  causal_attention(q.view(), positions, history, TensorView<float>(out.data(), q.shape), {.window = 5});
+  for (std::size_t h = 0; h < 2; ++h) {
+    for (std::size_t d = 0; d < dim; ++d) {
+      EXPECT_EQ(out[(h * 3 + 0) * dim + d], 0.0F);
+      EXPECT_EQ(out[(h * 3 + 1) * dim + d], 0.0F);
+      EXPECT_TRUE(std::isfinite(out[(h * 3 + 2) * dim + d]));
+    }
+  }
+  const Dense want = reference_attention(q.exact(), {-1, 30, 9}, k.exact(), v.exact(), 0.25, {{5, 0}});
+  EXPECT_LE(max_error<float>(TensorView<const float>(out.data(), q.shape), want), 2e-6);
+  EXPECT_GT(std::abs(out[2 * dim]), 0.0F);  // the visible row is not zero by accident
+}
+
+TEST(AttentionMask, EmptyHistoryGivesZeros) {
+  const Block<float> q({2, 4, 3, 32}, 3);
+  std::vector<float> out(q.data.size(), std::numeric_limits<float>::quiet_NaN());
+  causal_attention(q.view(), arange(0, 3), History<float>{}, TensorView<float>(out.data(), q.shape));
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 0.0F; }));
+}
+
+TEST(AttentionMask, RingHidesKeysOlderThanItsWindowAndKeepsSinks) {
+  // A ring of window 4, 2 sinks and slack 3 after 20 tokens holds positions 0, 1 and 13-19;
+  // query 19 may read only 0, 1 and 16-19. Values are one-hot per position (mod D).
+  const std::size_t dim = 32;
+  const std::size_t tokens = 20;
+  std::vector<float> keys(tokens * dim, 0.0F);
+  std::vector<float> values(tokens * dim, 0.0F);
+  for (std::size_t j = 0; j < tokens; ++j) values[j * dim + j] = 1.0F;
+  RingKvCache<float> cache({.layers = 1, .kv_heads = 1, .head_dim = dim, .window = 4, .sinks = 2, .slack = 3});
+  History<float> history;
+  for (std::size_t j = 0; j < tokens; ++j) {
+    history = cache.update(0, TensorView<const float>(keys.data() + j * dim, {1, 1, 1, dim}),
+                           TensorView<const float>(values.data() + j * dim, {1, 1, 1, dim}), arange(j, 1));
+  }
+  ASSERT_GT(history.tokens(), 6U) << "the ring should hold slack keys for this test to mean anything";
+  std::vector<float> q(dim, 0.0F);
+  std::vector<float> out(dim, -1.0F);
+  const std::vector<std::int64_t> position{19};
+  causal_attention(TensorView<const float>(q.data(), {1, 1, 1, dim}), position, history,
+                   TensorView<float>(out.data(), {1, 1, 1, dim}));
+  for (std::size_t d = 0; d < dim; ++d) {
+    const bool seen = d < 2 || (d >= 16 && d <= 19);
+    EXPECT_NEAR(out[d], seen ? 1.0F / 6.0F : 0.0F, 1e-6F) << "position " << d;
+  }
+  // The caller's window applies on top: window 2 without sinks leaves 18 and 19.
+  causal_attention(TensorView<const float>(q.data(), {1, 1, 1, dim}), position, history,
+                   TensorView<float>(out.data(), {1, 1, 1, dim}), {.window = 2});
+  for (std::size_t d = 0; d < dim; ++d) EXPECT_NEAR(out[d], d == 18 || d == 19 ? 0.5F : 0.0F, 1e-6F) << d;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layouts and calling conventions.
+
+TEST(AttentionViews, StridedQueriesAndOutputs) {
+  // q and out in the [B, T, H, D] layout an engine's projection produces, viewed with strides.
+  const std::size_t batch = 2, heads = 4, kv_heads = 2, chunk = 5, dim = 32, keys = 40;
+  const Block<float> k({batch, kv_heads, keys, dim}, 11);
+  const Block<float> v({batch, kv_heads, keys, dim}, 12);
+  const Block<float> q_bthd({batch, chunk, heads, dim}, 13);  // shape fields reused as [B, T, H, D]
+  const Strides bthd{chunk * heads * dim, dim, heads * dim};
+  const TensorView<const float> q(q_bthd.data.data(), {batch, heads, chunk, dim}, bthd);
+  std::vector<float> out_data(q_bthd.data.size(), 0.0F);
+  const TensorView<float> out(out_data.data(), {batch, heads, chunk, dim}, bthd);
+  KvCache<float> cache({.layers = 1, .batch = batch, .kv_heads = kv_heads, .head_dim = dim, .capacity = keys});
+  const auto history = cache.update(0, k.view(), v.view(), arange(0, keys));
+  const std::vector<std::int64_t> positions = arange(keys - chunk, chunk);
+  causal_attention(q, positions, history, out);
+  Dense q_exact({batch, heads, chunk, dim});
+  for (std::size_t b = 0; b < batch; ++b)
+    for (std::size_t h = 0; h < heads; ++h)
+      for (std::size_t t = 0; t < chunk; ++t)
+        for (std::size_t d = 0; d < dim; ++d) q_exact.at(b, h, t, d) = q(b, h, t, d);
+  const Dense want = reference_attention(q_exact, positions, k.exact(), v.exact(), 1.0 / std::sqrt(32.0), {});
+  EXPECT_LE(max_error<float>(out, want), 2e-6);
+}
+
+TEST(AttentionViews, AcceptsConstAndMutableViewsAndVectors) {
+  const std::size_t dim = 8;
+  Block<float> q({1, 2, 1, dim}, 1);
+  const Block<float> k({1, 1, 4, dim}, 2);
+  KvCache<float> cache({.layers = 1, .kv_heads = 1, .head_dim = dim, .capacity = 4});
+  const auto history = cache.update(0, k.view(), k.view(), arange(0, 4));
+  std::vector<float> a(q.data.size()), b(q.data.size()), c(q.data.size());
+  const std::vector<std::int64_t> positions{3};
+  causal_attention(q.view(), positions, history, TensorView<float>(a.data(), q.shape));          // const q
+  causal_attention(q.mutable_view(), positions, history, TensorView<float>(b.data(), q.shape));  // mutable q
+  causal_attention(q.view(), std::span<const std::int64_t>(positions), history,                  // span
+                   TensorView<float>(c.data(), q.shape), AttentionOptions{.threads = 1});
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a, c);
+  EXPECT_NE(a[0], 0.0F);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Threads: every split of the work gives the same answer as the caller's thread alone.
+
+TEST(AttentionThreads, ThreadCountsAgree) {
+  struct Shape4 {
+    std::size_t batch, kv_heads, group, chunk, keys;
+  };
+  // Large enough (K + V > 1 MiB) that automatic threading engages; the last two have a single
+  // (batch, kv head) and so split the keys themselves across threads.
+  for (const Shape4& s :
+       {Shape4{2, 4, 2, 1, 600}, Shape4{1, 2, 4, 7, 1200}, Shape4{1, 1, 4, 1, 3000}, Shape4{1, 1, 2, 9, 2500}}) {
+    const std::size_t dim = 128;
+    const Block<float> k({s.batch, s.kv_heads, s.keys, dim}, 21);
+    const Block<float> v({s.batch, s.kv_heads, s.keys, dim}, 22);
+    const Block<float> q({s.batch, s.kv_heads * s.group, s.chunk, dim}, 23);
+    KvCache<float> cache({.layers = 1, .batch = s.batch, .kv_heads = s.kv_heads, .head_dim = dim, .capacity = s.keys});
+    const auto history = cache.update(0, k.view(), v.view(), arange(0, s.keys));
+    const std::vector<std::int64_t> positions = arange(s.keys - s.chunk, s.chunk);
+    std::vector<float> one(q.data.size());
+    causal_attention(q.view(), positions, history, TensorView<float>(one.data(), q.shape), {.threads = 1});
+    const Dense want = reference_attention(q.exact(), positions, k.exact(), v.exact(), 1.0 / std::sqrt(128.0), {});
+    EXPECT_LE(max_error<float>(TensorView<const float>(one.data(), q.shape), want), 2e-5);
+    for (std::size_t threads : {std::size_t{0}, std::size_t{2}, std::size_t{3}}) {
+      std::vector<float> many(q.data.size(), std::numeric_limits<float>::quiet_NaN());
+      causal_attention(q.view(), positions, history, TensorView<float>(many.data(), q.shape), {.threads = threads});
+      double worst = 0;
+      for (std::size_t i = 0; i < one.size(); ++i) worst = std::max(worst, double(std::abs(one[i] - many[i])));
+      EXPECT_LE(worst, 1e-6) << "threads " << threads << " keys " << s.keys;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: std::invalid_argument naming both values, before anything is written.
+
+struct BadInput : ::testing::Test {
+  static constexpr std::size_t kDim = 16;
+  Block<float> k{{2, 2, 6, kDim}, 1};
+  Block<float> v{{2, 2, 6, kDim}, 2};
+  Block<float> q{{2, 4, 3, kDim}, 3};
+  std::vector<std::int64_t> key_positions = arange(0, 6);
+  std::vector<std::int64_t> q_positions = arange(3, 3);
+  std::vector<float> out = std::vector<float>(q.data.size(), 42.0F);
+
+  /// Expects std::invalid_argument whose message holds every one of `parts`, and `out` untouched.
+  void expect_rejected(const TensorView<const float>& query, std::span<const std::int64_t> positions,
+                       const History<float>& history, const TensorView<float>& result,
+                       const std::vector<std::string>& parts) {
+    try {
+      causal_attention(query, positions, history, result);
+      ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+      for (const std::string& part : parts) EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 42.0F; })) << "out was written";
+  }
+  [[nodiscard]] TensorView<float> out_view() { return {out.data(), q.shape}; }
+};
+
+TEST_F(BadInput, HeadsNotAMultipleOfKvHeads) {
+  const Block<float> q3({2, 3, 3, kDim}, 4);
+  const Segment<float> segment{k.view(), v.view(), key_positions};
+  expect_rejected(q3.view(), q_positions, {std::span(&segment, 1)}, {out.data(), q3.shape}, {"kv_heads 2", "given 3"});
+}
+
+TEST_F(BadInput, HeadDimMismatch) {
+  const Block<float> k8({2, 2, 6, 8}, 4);
+  const Segment<float> segment{k8.view(), k8.view(), key_positions};
+  expect_rejected(q.view(), q_positions, {std::span(&segment, 1)}, out_view(), {"head_dim", "16", "given 8"});
+  // out's head_dim differs from q's.
+  const Segment<float> good{k.view(), v.view(), key_positions};
+  expect_rejected(q.view(), q_positions, {std::span(&good, 1)}, {out.data(), {2, 4, 3, 8}},
+                  {"out shape", "[2, 4, 3, 16]", "given [2, 4, 3, 8]"});
+}
+
+TEST_F(BadInput, BatchMismatch) {
+  const Block<float> k1({1, 2, 6, kDim}, 4);
+  const Segment<float> segment{k1.view(), k1.view(), key_positions};
+  expect_rejected(q.view(), q_positions, {std::span(&segment, 1)}, out_view(), {"batch", "2", "given 1"});
+}
+
+TEST_F(BadInput, PositionsCount) {
+  const Segment<float> segment{k.view(), v.view(), key_positions};
+  const std::vector<std::int64_t> two = arange(3, 2);
+  expect_rejected(q.view(), two, {std::span(&segment, 1)}, out_view(), {"q_positions", "3", "given 2"});
+}
+
+TEST_F(BadInput, OutShape) {
+  const Segment<float> segment{k.view(), v.view(), key_positions};
+  expect_rejected(q.view(), q_positions, {std::span(&segment, 1)}, {out.data(), {2, 4, 2, kDim}},
+                  {"out shape", "[2, 4, 3, 16]", "given [2, 4, 2, 16]"});
+}
+
+TEST_F(BadInput, SegmentsThatDisagree) {
+  // Values shorter than keys; positions shorter than keys; a second segment with other kv_heads.
+  const Segment<float> short_values{k.view(), v.view().tokens(0, 5), key_positions};
+  expect_rejected(q.view(), q_positions, {std::span(&short_values, 1)}, out_view(),
+                  {"values shape", "[2, 2, 6, 16]", "given [2, 2, 5, 16]"});
+  const Segment<float> short_positions{k.view(), v.view(), std::span(key_positions).first(4)};
+  expect_rejected(q.view(), q_positions, {std::span(&short_positions, 1)}, out_view(),
+                  {"positions count", "6", "given 4"});
+  const Block<float> k4({2, 4, 6, kDim}, 5);
+  const std::vector<Segment<float>> mixed{{k.view(), v.view(), key_positions}, {k4.view(), k4.view(), key_positions}};
+  expect_rejected(q.view(), q_positions, {mixed}, out_view(), {"segments[1]", "kv_heads", "2", "given 4"});
+}
+
+}  // namespace
+}  // namespace kvcache
