@@ -115,14 +115,15 @@ class RingKvCache {
   void truncate(std::size_t length) {
     lengths_.check_truncate("RingKvCache::truncate", length);
     for (std::size_t l = 0; l < layers_.size(); ++l) {
+      // A query at `length` reads the positions [needed_from, length), sinks aside.
       const std::size_t held_from = std::max(sinks_, layers_[l].oldest);
-      const bool needs_nothing_older = length <= sinks_ || held_from <= sinks_;
-      if (!needs_nothing_older && length + 1 < held_from + window_) {
+      const std::size_t needed_from = std::max(sinks_, length + 1 > window_ ? length + 1 - window_ : 0);
+      if (needed_from < length && held_from > needed_from) {
         throw std::out_of_range(detail::expected_given(
             "RingKvCache::truncate: length",
             ">= " + std::to_string(held_from + window_ - 1) + " or <= " + std::to_string(sinks_) + " (layer " +
-                std::to_string(l) + " holds positions from " + std::to_string(held_from) +
-                " on, and a query needs the " + std::to_string(window_) + " before it)",
+                std::to_string(l) + " holds positions from " + std::to_string(held_from) + " on; a query reads the " +
+                std::to_string(window_) + " positions up to itself)",
             std::to_string(length)));
       }
     }

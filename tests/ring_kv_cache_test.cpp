@@ -1,0 +1,188 @@
+// SPDX-License-Identifier: Apache-2.0
+// Golden traces of RingKvCache: the exact segments and positions returned after each update,
+// around and across the wrap, for single tokens and for chunks, with and without sinks.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <vector>
+
+#include "cache_test_support.hpp"
+#include "kvcache/size.hpp"
+
+namespace kvcache::testing {
+namespace {
+
+using Trace = std::vector<std::vector<std::int64_t>>;  // positions of each returned segment
+
+class RingTrace : public ::testing::Test {
+ protected:
+  void make(std::size_t window, std::size_t sinks, std::size_t slack) {
+    cache_.emplace(
+        KvCacheConfig{.layers = 1, .kv_heads = 1, .head_dim = 2, .window = window, .sinks = sinks, .slack = slack});
+  }
+
+  /// Feeds a chunk of `tokens` and returns the positions of each returned segment; checks
+  /// that every returned key holds the data written for its position.
+  Trace feed(std::size_t tokens) {
+    RingKvCache<float>& cache = *cache_;
+    const std::size_t start = cache.length();
+    Block<float> k({1, 1, tokens, 2}, 0);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      k.data[2 * t] = static_cast<float>(start + t);       // key value = its position
+      k.data[2 * t + 1] = -static_cast<float>(start + t);  // value value = minus it
+    }
+    const auto history = cache.update(0, k.view(), k.view(), arange(start, tokens));
+    EXPECT_EQ(history.window, cache.window());
+    EXPECT_EQ(history.sinks, cache.sinks());
+    Trace trace;
+    for (const auto& segment : history.segments) {
+      trace.emplace_back(segment.positions.begin(), segment.positions.end());
+      for (std::size_t j = 0; j < segment.tokens(); ++j) {
+        EXPECT_EQ(segment.keys(0, 0, j, 0), static_cast<float>(segment.positions[j]));
+        EXPECT_EQ(segment.values(0, 0, j, 1), -static_cast<float>(segment.positions[j]));
+      }
+    }
+    return trace;
+  }
+
+  std::optional<RingKvCache<float>> cache_;
+};
+
+TEST_F(RingTrace, SingleTokensWrapIntoTwoSegments) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
+  const std::vector<Trace> expected = {
+      {{0}},
+      {{0, 1}},
+      {{0, 1, 2}},
+      {{0, 1, 2, 3}},  // filling
+      {{1, 2, 3}, {4}},
+      {{2, 3}, {4, 5}},
+      {{3}, {4, 5, 6}},
+      {{4, 5, 6, 7}},  // wrapped once
+      {{5, 6, 7}, {8}},
+      {{6, 7}, {8, 9}},
+  };
+  for (std::size_t p = 0; p < expected.size(); ++p) EXPECT_EQ(feed(1), expected[p]) << "after position " << p;
+  EXPECT_EQ(cache_->bytes(), kv_cache_bytes(1, 1, 4, 1, 2, sizeof(float)));
+}
+
+TEST_F(RingTrace, SinksStayWhileTheWindowSlides) {
+  make(/*window=*/3, /*sinks=*/2, /*slack=*/1);
+  const std::vector<Trace> expected = {
+      {{0}},
+      {{0, 1}},
+      {{0, 1}, {2}},
+      {{0, 1}, {2, 3}},
+      {{0, 1}, {2, 3, 4}},
+      {{0, 1}, {2, 3, 4, 5}},
+      {{0, 1}, {3, 4, 5}, {6}},
+      {{0, 1}, {4, 5}, {6, 7}},
+      {{0, 1}, {5}, {6, 7, 8}},
+      {{0, 1}, {6, 7, 8, 9}},
+  };
+  for (std::size_t p = 0; p < expected.size(); ++p) EXPECT_EQ(feed(1), expected[p]) << "after position " << p;
+}
+
+TEST_F(RingTrace, ChunkShorterThanTheWindowAfterTheWrapIsStagedWholeThenFolded) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
+  for (int i = 0; i < 6; ++i) feed(1);
+  // Writing 6..8 in place would overwrite 3 and 4, which queries 6 and 7 still need.
+  EXPECT_EQ(feed(3), (Trace{{2, 3}, {4, 5}, {6, 7, 8}}));
+  EXPECT_EQ(feed(1), (Trace{{6, 7}, {8, 9}}));
+}
+
+TEST_F(RingTrace, ChunkLongerThanTheWindowKeepsEveryQuerysWindow) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
+  for (int i = 0; i < 5; ++i) feed(1);
+  EXPECT_EQ(feed(10), (Trace{{1, 2, 3}, {4}, {5, 6, 7, 8, 9, 10, 11, 12, 13, 14}}));
+  // Folding keeps only the chunk's last window; query 15 reads 12..15 (11 is masked by window).
+  EXPECT_EQ(feed(2), (Trace{{11}, {12, 13, 14}, {15, 16}}));
+  EXPECT_EQ(feed(1), (Trace{{14, 15}, {16, 17}}));
+}
+
+TEST_F(RingTrace, FirstChunkCoveringTheSinksFillsThemOnFold) {
+  make(/*window=*/3, /*sinks=*/2, /*slack=*/0);
+  EXPECT_EQ(feed(5), (Trace{{0, 1, 2, 3, 4}}));
+  EXPECT_EQ(feed(1), (Trace{{0, 1}, {3, 4}, {5}}));
+  EXPECT_EQ(feed(1), (Trace{{0, 1}, {4}, {5, 6}}));
+}
+
+TEST_F(RingTrace, SlackLetsAChunkOfSlackPlusOneGoStraightIntoTheRing) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/2);
+  for (int i = 0; i < 8; ++i) feed(1);
+  EXPECT_EQ(feed(3), (Trace{{5}, {6, 7, 8, 9, 10}}));  // slack + 1 tokens: written in place
+  EXPECT_EQ(feed(2), (Trace{{7, 8, 9, 10, 11}, {12}}));
+  EXPECT_EQ(cache_->bytes(), kv_cache_bytes(1, 1, 6, 1, 2, sizeof(float)));      // the ring alone
+  EXPECT_EQ(feed(4), (Trace{{7, 8, 9, 10, 11}, {12}, {13, 14, 15, 16}}));        // more: staged
+  EXPECT_EQ(cache_->bytes(), kv_cache_bytes(1, 1, 6 + 4, 1, 2, sizeof(float)));  // ring + staging for 4
+}
+
+TEST_F(RingTrace, TruncateWithinSlackAfterTheWrapIsExact) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/2);
+  for (int i = 0; i < 10; ++i) feed(1);  // holds 4..9
+  cache_->truncate(7);                   // query 7 needs 4..7: held
+  EXPECT_EQ(cache_->length(), 7U);
+  EXPECT_EQ(feed(1), (Trace{{4, 5}, {6, 7}}));
+  EXPECT_EQ(feed(1), (Trace{{4, 5}, {6, 7, 8}}));
+}
+
+TEST_F(RingTrace, TruncateBeyondWhatIsHeldThrowsAndChangesNothing) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/2);
+  for (int i = 0; i < 10; ++i) feed(1);  // holds 4..9; query 6 would need 3
+  try {
+    cache_->truncate(6);
+    FAIL() << "truncate(6) must throw: position 3 was overwritten";
+  } catch (const std::out_of_range& e) {
+    EXPECT_THAT(e.what(), ::testing::AllOf(::testing::HasSubstr(">= 7"), ::testing::HasSubstr("given 6")));
+  }
+  EXPECT_EQ(cache_->length(), 10U);
+  EXPECT_EQ(feed(1), (Trace{{5}, {6, 7, 8, 9, 10}}));
+}
+
+TEST_F(RingTrace, TruncateIntoAStagedChunkKeepsItsHead) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
+  for (int i = 0; i < 6; ++i) feed(1);
+  feed(5);  // 6..10 staged
+  cache_->truncate(8);
+  EXPECT_EQ(feed(1), (Trace{{5, 6, 7}, {8}}));
+}
+
+TEST_F(RingTrace, TruncateIntoTheSinksAfterTheWrapStartsTheRingAfresh) {
+  make(/*window=*/3, /*sinks=*/2, /*slack=*/0);
+  for (int i = 0; i < 9; ++i) feed(1);
+  cache_->truncate(1);
+  EXPECT_EQ(feed(1), (Trace{{0, 1}}));
+  EXPECT_EQ(feed(1), (Trace{{0, 1}, {2}}));
+}
+
+TEST(RingConfig, ZeroWindowIsRejected) {
+  EXPECT_THROW(RingKvCache<float>({.layers = 1, .kv_heads = 1, .head_dim = 2}), std::invalid_argument);
+}
+
+TEST(RingConfig, UnboundedUnlessACapacityIsGiven) {
+  RingKvCache<float> unbounded({.layers = 1, .kv_heads = 1, .head_dim = 2, .window = 4});
+  EXPECT_EQ(unbounded.capacity(), std::numeric_limits<std::size_t>::max());
+  RingKvCache<float> bounded({.layers = 1, .kv_heads = 1, .head_dim = 2, .capacity = 100, .window = 4});
+  EXPECT_EQ(bounded.capacity(), 100U);
+}
+
+TEST(RingMemory, StaysBoundedOverALongSequence) {
+  RingKvCache<float> cache({.layers = 2, .kv_heads = 2, .head_dim = 8, .window = 16, .sinks = 2, .slack = 2});
+  const std::size_t bytes = cache.bytes();
+  const Block<float> k({1, 2, 1, 8}, 3);
+  for (std::size_t p = 0; p < 5000; ++p) {
+    for (std::size_t layer = 0; layer < 2; ++layer) {
+      const auto history = cache.update(layer, k.view(), k.view(), arange(p, 1));
+      ASSERT_LE(history.tokens(), 2U + 16U + 2U);
+    }
+  }
+  EXPECT_EQ(cache.bytes(), bytes);
+  EXPECT_EQ(bytes, kv_cache_bytes(2, 1, 2 + 16 + 2, 2, 8, sizeof(float)));
+}
+
+}  // namespace
+}  // namespace kvcache::testing
