@@ -1,0 +1,68 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <gtest/gtest.h>
+
+#include <Eigen/Core>
+#include <unsupported/Eigen/CXX11/Tensor>
+#include <vector>
+
+#include "kvcache/views.hpp"
+
+namespace kvcache {
+namespace {
+
+static_assert(std::is_trivially_copyable_v<TensorView<float>>);
+static_assert(std::is_convertible_v<TensorView<float>, TensorView<const float>>);
+static_assert(!std::is_convertible_v<TensorView<const float>, TensorView<float>>);
+
+TEST(TensorView, RawPointerAndShapeAreRowMajor) {
+  std::vector<float> data(2 * 3 * 4 * 5);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<float>(i);
+  const TensorView<const float> view(data.data(), {.batch = 2, .heads = 3, .tokens = 4, .head_dim = 5});
+  EXPECT_EQ(view(1, 2, 3, 4), data.back());
+  EXPECT_EQ(view(1, 0, 0, 0), 60.0F);
+  EXPECT_EQ(view.row(0, 1, 2), data.data() + 1 * 20 + 2 * 5);
+  const auto tail = view.tokens(2, 2);
+  EXPECT_EQ(tail.tokens(), 2U);
+  EXPECT_EQ(tail(0, 0, 0, 0), 10.0F);
+}
+
+TEST(TensorView, StridedViewReadsAnInterleavedLayout) {
+  // [B=1, T=3, H=2, D=2] storage read as [B, H, T, D].
+  std::vector<int> data = {0, 1, 10, 11, 2, 3, 12, 13, 4, 5, 14, 15};
+  const TensorView<const int> view(data.data(), {1, 2, 3, 2}, {.batch = 12, .heads = 2, .tokens = 4});
+  EXPECT_EQ(view(0, 0, 2, 1), 5);
+  EXPECT_EQ(view(0, 1, 1, 0), 12);
+}
+
+TEST(TensorView, FromEigenTensorAndTensorMapWithoutCopying) {
+  Eigen::Tensor<float, 4, Eigen::RowMajor> tensor(2, 3, 4, 5);
+  tensor.setRandom();
+  const TensorView<const float> view(tensor);
+  EXPECT_EQ(view.data(), tensor.data());
+  EXPECT_EQ(view.shape(), (Shape{2, 3, 4, 5}));
+  EXPECT_EQ(view(1, 2, 3, 4), tensor(1, 2, 3, 4));
+  EXPECT_EQ(view(0, 1, 2, 3), tensor(0, 1, 2, 3));
+
+  Eigen::TensorMap<Eigen::Tensor<float, 4, Eigen::RowMajor>> map(tensor.data(), 2, 3, 4, 5);
+  TensorView writable(map);
+  static_assert(std::is_same_v<decltype(writable), TensorView<float>>);
+  writable(1, 1, 1, 1) = 42.0F;
+  EXPECT_EQ(tensor(1, 1, 1, 1), 42.0F);
+}
+
+TEST(TensorView, OneHeadFromARowMajorEigenMatrixOrMap) {
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  RowMajor matrix = RowMajor::Random(6, 8);
+  const TensorView<const float> view(matrix);
+  EXPECT_EQ(view.shape(), (Shape{1, 1, 6, 8}));
+  EXPECT_EQ(view(0, 0, 5, 7), matrix(5, 7));
+
+  // A block of columns: rows keep the parent's stride.
+  Eigen::Map<const RowMajor, 0, Eigen::OuterStride<>> head(matrix.data() + 4, 6, 4, Eigen::OuterStride<>(8));
+  const TensorView<const float> head_view(head);
+  EXPECT_EQ(head_view.shape(), (Shape{1, 1, 6, 4}));
+  EXPECT_EQ(head_view(0, 0, 3, 2), matrix(3, 6));
+}
+
+}  // namespace
+}  // namespace kvcache
