@@ -4,6 +4,7 @@
 // Causal attention over what a cache's update() returns: any number of segments, any element
 // type, grouped-query heads, a mask computed from positions alone.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -16,6 +17,7 @@
 
 #include <Eigen/Core>
 
+#include "kvcache/detail/attention_kernel.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/views.hpp"
 
@@ -91,20 +93,6 @@ void check_attention(const TensorView<const Q>& q, std::span<const std::int64_t>
   }
 }
 
-/// Whether a key at `key` is inside a window of `window` positions ending at query `query`,
-/// or is a sink. A window of 0 imposes nothing.
-inline bool in_window(std::int64_t query, std::int64_t key, std::size_t window, std::size_t sinks) noexcept {
-  if (window == 0) return true;
-  if (key < static_cast<std::int64_t>(sinks)) return true;
-  return static_cast<std::uint64_t>(query - key) < window;
-}
-
-/// Key `key` is visible to query `query`: causal, and inside both the cache's and the caller's windows.
-inline bool visible(std::int64_t query, std::int64_t key, std::size_t window_a, std::size_t sinks_a,
-                    std::size_t window_b, std::size_t sinks_b) noexcept {
-  return key <= query && in_window(query, key, window_a, sinks_a) && in_window(query, key, window_b, sinks_b);
-}
-
 }  // namespace detail
 
 /// out[b, h, t] = softmax over the visible keys of q[b, h, t] . k / sqrt(D), times v.
@@ -117,49 +105,19 @@ void causal_attention(TensorView<const Q> q, std::span<const std::int64_t> q_pos
   static_assert(!std::is_const_v<Q>, "causal_attention: out must be a mutable view (TensorView<float>, not const).");
   detail::check_attention(q, q_positions, history, out);
   using Acc = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<Q, double>, double, float>;
-  const std::size_t dim = q.head_dim();
   if (q.shape().size() == 0) return;
-  const Acc scale = options.scale != 0.0f ? static_cast<Acc>(options.scale) : Acc{1} / std::sqrt(static_cast<Acc>(dim));
-  const std::size_t kv_heads = history.segments.empty() ? 1 : history.segments[0].keys.heads();
-  const std::size_t group = q.heads() / kv_heads;
-  std::vector<Acc> acc(dim);
-  std::vector<Acc> qrow(dim);
-  for (std::size_t b = 0; b < q.batch(); ++b) {
-    for (std::size_t h = 0; h < q.heads(); ++h) {
-      const std::size_t kvh = h / group;
-      for (std::size_t t = 0; t < q.tokens(); ++t) {
-        const std::int64_t p = q_positions[t];
-        for (std::size_t d = 0; d < dim; ++d) qrow[d] = static_cast<Acc>(q(b, h, t, d));
-        Acc max = -std::numeric_limits<Acc>::infinity();
-        Acc sum = 0;
-        std::fill(acc.begin(), acc.end(), Acc{0});
-        for (const Segment<T>& seg : history.segments) {
-          for (std::size_t j = 0; j < seg.tokens(); ++j) {
-            if (!detail::visible(p, seg.positions[j], history.window, history.sinks, options.window, options.sinks)) {
-              continue;
-            }
-            const T* k = seg.keys.row(b, kvh, j);
-            const T* v = seg.values.row(b, kvh, j);
-            Acc s = 0;
-            for (std::size_t d = 0; d < dim; ++d) s += qrow[d] * static_cast<Acc>(k[d]);
-            s *= scale;
-            if (s > max) {
-              const Acc c = std::exp(max - s);
-              sum *= c;
-              for (auto& a : acc) a *= c;
-              max = s;
-            }
-            const Acc w = std::exp(s - max);
-            sum += w;
-            for (std::size_t d = 0; d < dim; ++d) acc[d] += w * static_cast<Acc>(v[d]);
-          }
-        }
-        Q* o = out.row(b, h, t);
-        const Acc inv = sum > 0 ? Acc{1} / sum : Acc{0};
-        for (std::size_t d = 0; d < dim; ++d) o[d] = static_cast<Q>(acc[d] * inv);
-      }
-    }
+  if (history.tokens() == 0) {
+    // No key at all (this also covers a history of zero segments, whose kv_heads is unknown).
+    for (std::size_t b = 0; b < q.batch(); ++b)
+      for (std::size_t h = 0; h < q.heads(); ++h)
+        for (std::size_t t = 0; t < q.tokens(); ++t) std::fill_n(out.row(b, h, t), q.head_dim(), Q(0));
+    return;
   }
+  const Acc scale =
+      options.scale != 0.0f ? static_cast<Acc>(options.scale) : Acc{1} / std::sqrt(static_cast<Acc>(q.head_dim()));
+  const detail::VisibilityRule rule(history.window, history.sinks, options.window, options.sinks);
+  const detail::AttentionKernel<T, Q, Acc> kernel(q, q_positions, history, out, rule, scale);
+  detail::run_attention(kernel, q.batch(), history.segments.front().keys.heads(), q.tokens(), options.threads);
 }
 
 /// causal_attention for a mutable q view, so TensorView<float> works without a cast.

@@ -1,0 +1,382 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The tiled kernel behind causal_attention. A work item is one (batch row, kv head, block of
+// queries) and, when there are fewer items than threads, a range of the keys. Its rows are the
+// G = H_q / H_kv query heads that share the kv head times the block's queries, so every K and V
+// row is read from memory once for all of them. Keys stream past in tiles: scores for the tile,
+// mask, online max-subtracted softmax update, accumulate. Memory is bounded by a tile.
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "kvcache/detail/assert.hpp"
+#include "kvcache/detail/attention_math.hpp"
+#include "kvcache/views.hpp"
+
+namespace kvcache::detail {
+
+/// Which keys a query at position p may read: causal, and inside every window that applies.
+class VisibilityRule {
+ public:
+  VisibilityRule(std::size_t window_a, std::size_t sinks_a, std::size_t window_b, std::size_t sinks_b) noexcept
+      : windows_{window_a, window_b}, sinks_{sinks_a, sinks_b} {}
+
+  [[nodiscard]] bool visible(std::int64_t query, std::int64_t key) const noexcept {
+    if (key > query) return false;
+    for (std::size_t i = 0; i < 2; ++i) {
+      const bool in_window = windows_[i] == 0 || key < to_signed(sinks_[i]) ||
+                             static_cast<std::uint64_t>(query - key) < static_cast<std::uint64_t>(windows_[i]);
+      if (!in_window) return false;
+    }
+    return true;
+  }
+
+  enum class Cover { kNone, kSome, kAll };
+
+  /// Whether none, some or all of the keys with positions in [low, high] are visible to `query`;
+  /// kSome may be returned when none or all are (the caller then masks key by key).
+  [[nodiscard]] Cover cover(std::int64_t query, std::int64_t low, std::int64_t high) const noexcept {
+    if (low > query) return Cover::kNone;
+    bool all = high <= query;
+    for (std::size_t i = 0; i < 2; ++i) {
+      if (windows_[i] == 0) continue;
+      const std::int64_t oldest = query - to_signed(windows_[i]) + 1;  // the window's first position
+      const std::int64_t sinks = to_signed(sinks_[i]);
+      if (high < oldest && low >= sinks) return Cover::kNone;
+      all = all && (low >= oldest || high < sinks);
+    }
+    return all ? Cover::kAll : Cover::kSome;
+  }
+
+ private:
+  static std::int64_t to_signed(std::size_t n) noexcept {
+    return static_cast<std::int64_t>(std::min<std::size_t>(n, std::numeric_limits<std::int64_t>::max() / 4));
+  }
+  std::size_t windows_[2];
+  std::size_t sinks_[2];
+};
+
+/// One work item: queries [first_query, first_query + queries) of kv head `kv_head` in batch
+/// row `batch`, over the keys [key_begin, key_end) of the history taken as one sequence.
+struct AttentionItem {
+  std::size_t batch = 0;
+  std::size_t kv_head = 0;
+  std::size_t first_query = 0;
+  std::size_t queries = 0;
+  std::size_t key_begin = 0;
+  std::size_t key_end = 0;
+  std::size_t partial = 0;  // where a split item leaves its running state (unused when unsplit)
+};
+
+template <class T, class Q, class Acc>
+class AttentionKernel {
+ public:
+  /// Scratch of one worker: a block's queries and accumulators, a tile's scores and, for
+  /// stored types other than Acc, the tile converted to Acc.
+  struct Workspace {
+    std::vector<Acc> queries, acc, max, sum, scores, keys, values;
+    std::vector<VisibilityRule::Cover> covers;
+    std::vector<char> active;  // per row: it sees a key of the current tile
+  };
+
+  AttentionKernel(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
+                  TensorView<Q> out, const VisibilityRule& rule, Acc scale)
+      : q_(q),
+        q_positions_(q_positions),
+        segments_(history.segments),
+        out_(out),
+        rule_(rule),
+        scale_(scale),
+        dim_(q.head_dim()),
+        group_(q.heads() / history.segments.front().keys.heads()),
+        block_queries_(std::clamp<std::size_t>(kTargetRows / group_, 1, std::max<std::size_t>(q.tokens(), 1))),
+        rows_(group_ * block_queries_),
+        tile_(std::clamp<std::size_t>(kTileBytes / (std::max<std::size_t>(dim_, 1) * sizeof(Acc)), 8, 64) / 4 * 4) {
+    offsets_.reserve(segments_.size() + 1);
+    offsets_.push_back(0);
+    for (const Segment<T>& s : segments_) offsets_.push_back(offsets_.back() + s.tokens());
+  }
+
+  [[nodiscard]] std::size_t keys() const noexcept { return offsets_.back(); }
+  [[nodiscard]] std::size_t head_dim() const noexcept { return dim_; }
+  [[nodiscard]] std::size_t block_queries() const noexcept { return block_queries_; }
+  [[nodiscard]] std::size_t rows() const noexcept { return rows_; }
+  [[nodiscard]] std::size_t tile() const noexcept { return tile_; }
+  /// Acc values a split item's running state takes: max, sum and acc of every row.
+  [[nodiscard]] std::size_t partial_size() const noexcept { return rows_ * (dim_ + 2); }
+
+  [[nodiscard]] Workspace workspace() const {
+    constexpr bool convert = !std::is_same_v<T, Acc>;
+    Workspace w;
+    w.queries.resize(rows_ * dim_);
+    w.acc.resize(rows_ * dim_);
+    w.max.resize(rows_);
+    w.sum.resize(rows_);
+    w.scores.resize(rows_ * tile_);
+    w.keys.resize(convert ? tile_ * dim_ : 0);
+    w.values.resize(convert ? tile_ * dim_ : 0);
+    w.covers.resize(block_queries_);
+    w.active.resize(rows_);
+    return w;
+  }
+
+  /// Runs one item; writes out, or the running state to `partials` for a split item.
+  void run(const AttentionItem& item, Workspace& w, Acc* partials) const noexcept {
+    const std::size_t rows = item.queries * group_;
+    load_queries(item, w);
+    std::fill_n(w.max.begin(), rows, -std::numeric_limits<Acc>::infinity());
+    std::fill_n(w.sum.begin(), rows, Acc{0});
+    std::fill_n(w.acc.begin(), rows * dim_, Acc{0});
+    for (std::size_t s = 0; s < segments_.size(); ++s) {
+      const std::size_t lo = std::max(item.key_begin, offsets_[s]);
+      const std::size_t hi = std::min(item.key_end, offsets_[s + 1]);
+      for (std::size_t j = lo; j < hi; j += tile_) {
+        run_tile(item, segments_[s], j - offsets_[s], std::min(tile_, hi - j), w);
+      }
+    }
+    if (partials != nullptr) {
+      Acc* p = partials + item.partial * partial_size();
+      std::copy_n(w.max.begin(), rows, p);
+      std::copy_n(w.sum.begin(), rows, p + rows_);
+      std::copy_n(w.acc.begin(), rows * dim_, p + 2 * rows_);
+      return;
+    }
+    for (std::size_t r = 0; r < rows; ++r) write_row(item, r, w.acc.data() + r * dim_, w.sum[r]);
+  }
+
+  /// Combines the running states of `splits` items over the same rows (log-sum-exp) and writes out.
+  void merge(const AttentionItem& item, const Acc* partials, std::size_t splits, std::vector<Acc>& row) const {
+    const std::size_t rows = item.queries * group_;
+    row.resize(dim_);
+    for (std::size_t r = 0; r < rows; ++r) {
+      Acc max = -std::numeric_limits<Acc>::infinity();
+      for (std::size_t i = 0; i < splits; ++i) max = std::max(max, partials[(item.partial + i) * partial_size() + r]);
+      std::fill(row.begin(), row.end(), Acc{0});
+      Acc sum = 0;
+      if (max != -std::numeric_limits<Acc>::infinity()) {
+        for (std::size_t i = 0; i < splits; ++i) {
+          const Acc* p = partials + (item.partial + i) * partial_size();
+          const Acc weight = exp_nonpositive(p[r] - max);
+          if (weight == 0) continue;
+          sum += weight * p[rows_ + r];
+          const Acc* acc = p + 2 * rows_ + r * dim_;
+          for (std::size_t d = 0; d < dim_; ++d) row[d] += weight * acc[d];
+        }
+      }
+      write_row(item, r, row.data(), sum);
+    }
+  }
+
+ private:
+  static constexpr std::size_t kTargetRows = 16;    // query rows per block, shared K/V tile
+  static constexpr std::size_t kTileBytes = 16384;  // a K tile in Acc: it stays in L1 for every row
+
+  /// Row r of a block is query first_query + r / G of query head kv_head * G + r % G.
+  [[nodiscard]] std::size_t head_of(const AttentionItem& item, std::size_t r) const noexcept {
+    return item.kv_head * group_ + r % group_;
+  }
+
+  void load_queries(const AttentionItem& item, Workspace& w) const noexcept {
+    for (std::size_t r = 0; r < item.queries * group_; ++r) {
+      Acc* dst = w.queries.data() + r * dim_;
+      convert_row(q_.row(item.batch, head_of(item, r), item.first_query + r / group_), dst, dim_);
+      for (std::size_t d = 0; d < dim_; ++d) dst[d] *= scale_;  // scores come out scaled
+    }
+  }
+
+  void write_row(const AttentionItem& item, std::size_t r, const Acc* acc, Acc sum) const noexcept {
+    Q* dst = out_.row(item.batch, head_of(item, r), item.first_query + r / group_);
+    const Acc inverse = sum > 0 ? Acc{1} / sum : Acc{0};  // no visible key: zeros
+    for (std::size_t d = 0; d < dim_; ++d) {
+      if constexpr (std::is_same_v<Q, Eigen::half> || std::is_same_v<Q, Eigen::bfloat16>) {
+        dst[d] = static_cast<Q>(static_cast<float>(acc[d] * inverse));
+      } else {
+        dst[d] = static_cast<Q>(acc[d] * inverse);
+      }
+    }
+  }
+
+  /// Rows of `view` for (batch, kv_head) and keys [first, first + count) as Acc: in place when
+  /// T is Acc, else converted into `scratch`. Returns the first row and the row stride.
+  [[nodiscard]] std::pair<const Acc*, std::size_t> tile_rows(const TensorView<const T>& view, const AttentionItem& item,
+                                                             std::size_t first, std::size_t count,
+                                                             std::vector<Acc>& scratch) const noexcept {
+    if constexpr (std::is_same_v<T, Acc>) {
+      return {view.row(item.batch, item.kv_head, first), view.strides().tokens};
+    } else {
+      for (std::size_t j = 0; j < count; ++j) {
+        convert_row(view.row(item.batch, item.kv_head, first + j), scratch.data() + j * dim_, dim_);
+      }
+      return {scratch.data(), dim_};
+    }
+  }
+
+  void run_tile(const AttentionItem& item, const Segment<T>& segment, std::size_t first, std::size_t count,
+                Workspace& w) const noexcept {
+    using Cover = VisibilityRule::Cover;
+    const std::span<const std::int64_t> positions = segment.positions.subspan(first, count);
+    const auto [low, high] = std::minmax_element(positions.begin(), positions.end());
+    bool any = false;
+    for (std::size_t t = 0; t < item.queries; ++t) {
+      w.covers[t] = rule_.cover(q_positions_[item.first_query + t], *low, *high);
+      any = any || w.covers[t] != Cover::kNone;
+    }
+    if (!any) return;  // a tile no query may read is never loaded
+
+    const auto [keys, key_stride] = tile_rows(segment.keys, item, first, count, w.keys);
+    bool active_rows = false;
+    for (std::size_t t = 0; t < item.queries; ++t) {
+      if (w.covers[t] == Cover::kNone) continue;
+      const std::int64_t query = q_positions_[item.first_query + t];
+      for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
+        Acc* scores = w.scores.data() + r * tile_;
+        const Acc* q = w.queries.data() + r * dim_;
+        std::size_t j = 0;
+        for (; j + 4 <= count; j += 4) {
+          const Acc* k = keys + j * key_stride;
+          dot4(q, k, k + key_stride, k + 2 * key_stride, k + 3 * key_stride, dim_, scores + j);
+        }
+        for (; j < count; ++j) scores[j] = dot(q, keys + j * key_stride, dim_);
+        if (w.covers[t] == Cover::kSome) {
+          for (j = 0; j < count; ++j) {
+            if (!rule_.visible(query, positions[j])) scores[j] = -std::numeric_limits<Acc>::infinity();
+          }
+        }
+        const bool active = update_softmax(scores, count, w.max[r], w.sum[r], w.acc.data() + r * dim_);
+        w.active[r] = static_cast<char>(active);
+        active_rows = active_rows || active;
+      }
+    }
+    if (!active_rows) return;
+
+    const auto [values, value_stride] = tile_rows(segment.values, item, first, count, w.values);
+    for (std::size_t t = 0; t < item.queries; ++t) {
+      if (w.covers[t] == Cover::kNone) continue;
+      for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
+        if (w.active[r] == 0) continue;
+        accumulate_rows(w.acc.data() + r * dim_, w.scores.data() + r * tile_, values, value_stride, count, dim_);
+      }
+    }
+  }
+
+  /// Online softmax: turns a row's scores into weights against its running max, rescaling the
+  /// running sum and accumulator when the max grows. Returns false when no key of the tile is
+  /// visible to the row.
+  bool update_softmax(Acc* scores, std::size_t count, Acc& max, Acc& sum, Acc* acc) const noexcept {
+    Acc tile_max = -std::numeric_limits<Acc>::infinity();
+    for (std::size_t j = 0; j < count; ++j) tile_max = std::max(tile_max, scores[j]);
+    if (tile_max == -std::numeric_limits<Acc>::infinity()) return false;
+    if (tile_max > max) {
+      const Acc correction = exp_nonpositive(max - tile_max);  // 0 when max was -inf
+      sum *= correction;
+      for (std::size_t d = 0; d < dim_; ++d) acc[d] *= correction;
+      max = tile_max;
+    }
+    const Acc running = max;
+    for (std::size_t j = 0; j < count; ++j) scores[j] = exp_nonpositive(scores[j] - running);
+    Acc tile_sum = 0;
+    for (std::size_t j = 0; j < count; ++j) tile_sum += scores[j];
+    sum += tile_sum;
+    return true;
+  }
+
+  TensorView<const Q> q_;
+  std::span<const std::int64_t> q_positions_;
+  std::span<const Segment<T>> segments_;
+  TensorView<Q> out_;
+  VisibilityRule rule_;
+  Acc scale_;
+  std::size_t dim_;
+  std::size_t group_;
+  std::size_t block_queries_;
+  std::size_t rows_;
+  std::size_t tile_;
+  std::vector<std::size_t> offsets_;  // segment s holds keys [offsets_[s], offsets_[s + 1])
+};
+
+/// Threads for `work_bytes` of K and V reads: `requested` (0 = the hardware's, but one for work
+/// too small to repay starting a thread), never more than `items`.
+inline std::size_t attention_threads(std::size_t requested, std::size_t work_bytes) noexcept {
+  constexpr std::size_t kMinParallelBytes = std::size_t{1} << 20;
+  if (requested != 0) return requested;
+  if (work_bytes < kMinParallelBytes) return 1;
+  return std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
+}
+
+/// Runs `work(worker)` on `workers` threads, the caller's included; `work` takes items until
+/// none are left. If a thread cannot be started, the ones running (and the caller) do its share.
+template <class Work>
+void run_workers(std::size_t workers, const Work& work) {
+  std::vector<std::thread> threads;
+  threads.reserve(workers > 0 ? workers - 1 : 0);
+  for (std::size_t i = 1; i < workers; ++i) {
+    try {
+      threads.emplace_back([&work, i] { work(i); });
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
+  work(0);
+  for (std::thread& t : threads) t.join();
+}
+
+/// Plans the work items and runs them: blocks of queries per (batch, kv head), and when that
+/// leaves threads idle over a long history, the keys split among them and merged at the end.
+template <class T, class Q, class Acc>
+void run_attention(const AttentionKernel<T, Q, Acc>& kernel, std::size_t batch, std::size_t kv_heads,
+                   std::size_t queries, std::size_t requested_threads) {
+  constexpr std::size_t kMinSplitKeys = 512;
+  const std::size_t keys = kernel.keys();
+  const std::size_t block = kernel.block_queries();
+  const std::size_t blocks = (queries + block - 1) / block;
+  const std::size_t base_items = batch * kv_heads * blocks;
+  const std::size_t work_bytes = 2 * batch * kv_heads * keys * kernel.head_dim() * sizeof(T) * blocks;
+  std::size_t threads = attention_threads(requested_threads, work_bytes);
+  std::size_t splits = 1;
+  if (threads > base_items && keys >= 2 * kMinSplitKeys) {
+    splits = std::min((threads + base_items - 1) / base_items, keys / kMinSplitKeys);
+  }
+  std::vector<AttentionItem> items;
+  items.reserve(base_items * splits);
+  for (std::size_t b = 0; b < batch; ++b) {
+    for (std::size_t h = 0; h < kv_heads; ++h) {
+      for (std::size_t first = 0; first < queries; first += block) {
+        for (std::size_t s = 0; s < splits; ++s) {
+          const std::size_t partial = items.size();
+          items.push_back(
+              {b, h, first, std::min(block, queries - first), keys * s / splits, keys * (s + 1) / splits, partial});
+        }
+      }
+    }
+  }
+  threads = std::min(threads, items.size());
+  // Every allocation happens here, before a thread starts: a worker never throws.
+  std::vector<typename AttentionKernel<T, Q, Acc>::Workspace> workspaces;
+  workspaces.reserve(threads);
+  for (std::size_t i = 0; i < threads; ++i) workspaces.push_back(kernel.workspace());
+  std::vector<Acc> partials(splits > 1 ? items.size() * kernel.partial_size() : 0);
+  Acc* partial_data = splits > 1 ? partials.data() : nullptr;
+
+  std::atomic<std::size_t> next{0};
+  run_workers(threads, [&](std::size_t worker) {
+    for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      kernel.run(items[i], workspaces[worker], partial_data);
+    }
+  });
+  if (splits > 1) {
+    std::vector<Acc> row;
+    for (std::size_t i = 0; i < items.size(); i += splits) kernel.merge(items[i], partial_data, splits, row);
+  }
+}
+
+}  // namespace kvcache::detail
