@@ -290,6 +290,7 @@ void prefill_chunk(benchmark::State& state, Model model, std::size_t chunk) {
   const double bytes = static_cast<double>(state.iterations()) * static_cast<double>(model.layers) * 2.0 *
                        static_cast<double>(k.bytes());
   state.counters["T"] = static_cast<double>(chunk);
+  state.counters["layers"] = static_cast<double>(model.layers);
   state.counters["value_bytes"] = sizeof(T);
   state.counters["update_GBps"] = bytes / update_seconds * 1e-9;
   state.counters["memcpy_GBps"] = bytes / memcpy_seconds * 1e-9;
@@ -381,6 +382,7 @@ void ring_decode(benchmark::State& state, Model model, std::size_t window, std::
   }
   const double tokens = static_cast<double>(state.iterations()) * static_cast<double>(block);
   state.counters["window"] = static_cast<double>(window);
+  state.counters["layers"] = static_cast<double>(model.layers);
   state.counters["value_bytes"] = sizeof(T);
   for (std::size_t i = 0; i < at.size(); ++i) {
     const std::string suffix = "_at_" + std::to_string(at[i]);

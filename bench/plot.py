@@ -1,0 +1,368 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Plots and ratio tables from kvcache's benchmark JSON (Google Benchmark --benchmark_out).
+
+    /usr/bin/python3 bench/plot.py bench/results          # reads *.json there, writes PNGs and tables.md
+
+Every figure comes from the counters the benchmark programs put in their JSON, so a ratio shown
+here is the one measured in one run. A file that is missing (a benchmark not built, or not run)
+skips its plot and its table instead of failing the others.
+"""
+
+import json
+import math
+import pathlib
+import re
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(directory, stem):
+    path = directory / f"{stem}.json"
+    if not path.exists():
+        print(f"plot.py: {path} not found; skipping its plots and tables", file=sys.stderr)
+        return None
+    with path.open() as f:
+        return json.load(f)
+
+
+def runs(data, prefix):
+    """Benchmark entries whose name starts with prefix (aggregates, if any, left out)."""
+    if data is None:
+        return []
+    return [b for b in data["benchmarks"] if b["name"].startswith(prefix) and b.get("run_type", "iteration") == "iteration"]
+
+
+def dtype_of(entry):
+    return "bf16" if "/bf16/" in entry["name"] else "float"
+
+
+def fmt(value, digits=3):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}"
+
+
+def fmt_time_us(us):
+    if us >= 1e6:
+        return f"{us / 1e6:.3g} s"
+    if us >= 1e3:
+        return f"{us / 1e3:.3g} ms"
+    return f"{us:.3g} µs"
+
+
+# ------------------------------------------------------------------------------------------------
+# cache_bench: KvCache against ConcatKvCache.
+
+
+def plot_cache_vs_concat(cache, out):
+    generate = runs(cache, "generate/")
+    steps = runs(cache, "decode_step/")
+    if not generate:
+        return None
+    dtypes = sorted({dtype_of(b) for b in generate}, key=lambda d: d != "float")
+    prefills = sorted({int(b["P"]) for b in generate})
+    fig, axes = plt.subplots(len(dtypes), len(prefills), figsize=(6 * len(prefills), 4.5 * len(dtypes)), squeeze=False)
+    for row, dtype in enumerate(dtypes):
+        for col, p in enumerate(prefills):
+            ax = axes[row][col]
+            g = sorted((b for b in generate if dtype_of(b) == dtype and int(b["P"]) == p), key=lambda b: b["N"])
+            s = sorted((b for b in steps if dtype_of(b) == dtype and int(b["P"]) == p), key=lambda b: b["N"])
+            n = [b["N"] for b in g]
+            ax.plot(n, [b["cache_us_per_token"] for b in g], "o-", color="tab:blue", label="KvCache, mean over the loop")
+            if s:
+                ax.plot([b["N"] for b in s], [b["cache_us_per_token"] for b in s], "s--", color="tab:blue", alpha=0.6,
+                        label="KvCache, N-th token")
+            full = [b for b in g if b["concat_full_loop"] == 1]
+            derived = [b for b in g if b["concat_full_loop"] == 0]
+            ax.plot(n, [b["concat_us_per_token"] for b in g], "o-", color="tab:red",
+                    label="ConcatKvCache, mean over the loop\n(hollow: the middle token's, measured)")
+            if derived:  # hollow markers over the line: the mean is the middle token's cost, not a full loop
+                ax.plot([b["N"] for b in derived], [b["concat_us_per_token"] for b in derived], "o", color="tab:red",
+                        markerfacecolor="white")
+            if s:
+                ax.plot([b["N"] for b in s], [b["concat_us_per_token"] for b in s], "s--", color="tab:red", alpha=0.6,
+                        label="ConcatKvCache, N-th token")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(n, [str(int(x)) for x in n])
+            ax.set_yscale("log")
+            ax.set_xlabel("generated tokens N")
+            ax.set_ylabel("time per generated token (µs)")
+            ax.set_title(f"{dtype}, prefill P = {p}")
+            ax.grid(True, which="both", alpha=0.3)
+            if row == 0 and col == 0:
+                ax.legend(fontsize=8)
+    model = (cache.get("context") or {}).get("kvcache_model", "")
+    fig.suptitle(f"Cache updates per generated token, every layer ({model})")
+    fig.tight_layout()
+    path = out / "cache_vs_concat.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table_cache_vs_concat(cache):
+    generate = runs(cache, "generate/")
+    steps = {(dtype_of(b), int(b["P"]), int(b["N"])): b for b in runs(cache, "decode_step/")}
+    if not generate:
+        return ""
+    lines = [
+        "| type | P | N | KvCache per token | ConcatKvCache per token | concat/cache (loop) | concat total | how | "
+        "concat/cache at N-th token |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for b in sorted(generate, key=lambda b: (dtype_of(b) != "float", b["P"], b["N"])):
+        key = (dtype_of(b), int(b["P"]), int(b["N"]))
+        step = steps.get(key)
+        how = "full loop" if b["concat_full_loop"] == 1 else "N × middle token"
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {fmt_time_us(b['cache_us_per_token'])} | "
+            f"{fmt_time_us(b['concat_us_per_token'])} | **{fmt(b['concat_over_cache'])}×** | "
+            f"{fmt_time_us(b['concat_total_ms'] * 1e3)} | {how} | "
+            f"{fmt(step['concat_over_cache']) + '×' if step else '–'} |")
+    checks = [b for b in generate if b["concat_full_loop"] == 1]
+    if checks:
+        lines.append("")
+        lines.append("Check of the derivation where both were measured (N × middle token ÷ full loop): " + ", ".join(
+            f"{dtype_of(b)} P={int(b['P'])} N={int(b['N'])}: {b['concat_total_ms_derived'] / b['concat_total_ms']:.2f}"
+            for b in sorted(checks, key=lambda b: (dtype_of(b) != "float", b["P"], b["N"]))))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# cache_bench: update against memcpy, flatness, ring.
+
+
+def table_micro(cache):
+    lines = []
+    chunks = runs(cache, "prefill_chunk/")
+    if chunks:
+        lines += ["| prefill chunk | type | through update() | memcpy | update ÷ memcpy speed |", "|---|---|---:|---:|---:|"]
+        for b in chunks:
+            lines.append(f"| {int(b['T'])} tokens × {int(b['layers'])} layers | {dtype_of(b)} | {b['update_GBps']:.1f} GB/s | "
+                         f"{b['memcpy_GBps']:.1f} GB/s | **{b['update_over_memcpy']:.2f}** |")
+        lines.append("")
+    for b in runs(cache, "token_flat/"):
+        lines += [
+            "| single-token update | layers | at history " + str(int(b["near_history"])) + " | at history " +
+            str(int(b["far_history"])) + " | ratio |",
+            "|---|---:|---:|---:|---:|",
+            f"| KvCache, {dtype_of(b)} | {int(b['layers'])} | {b['near_ns_per_token']:.0f} ns | "
+            f"{b['far_ns_per_token']:.0f} ns | **{b['far_over_near']:.3f}** |",
+            "",
+        ]
+    for b in runs(cache, "ring_decode/"):
+        at = sorted(int(k[len("us_per_token_at_"):]) for k in b if k.startswith("us_per_token_at_"))
+        lines += ["| RingKvCache, window " + str(int(b["window"])) + ", " + dtype_of(b) + " | " +
+                  " | ".join(f"position {p:,}" for p in at) + " |", "|---|" + "---:|" * len(at)]
+        lines.append(f"| per token, {int(b['layers'])} layers | " + " | ".join(f"{b[f'us_per_token_at_{p}']:.2f} µs" for p in at) + " |")
+        lines.append("| bytes() | " + " | ".join(f"{b[f'bytes_at_{p}'] / 2**20:.0f} MiB" for p in at) + " |")
+        dense = [k for k in b if k.startswith("dense_bytes_at_")]
+        lines.append("")
+        lines.append(f"Last ÷ first position: **{b['last_over_first']:.3f}**; slowest ÷ fastest: "
+                     f"**{b['slowest_over_fastest']:.3f}**." + (
+                         f" A KvCache holding all {int(dense[0][len('dense_bytes_at_'):]):,} positions would need "
+                         f"{b[dense[0]] / 2**30:.1f} GiB." if dense else ""))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_ring(cache, out):
+    ring = runs(cache, "ring_decode/")
+    if not ring:
+        return None
+    b = ring[0]
+    at = sorted(int(k[len("us_per_token_at_"):]) for k in b if k.startswith("us_per_token_at_"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(at, [b[f"us_per_token_at_{p}"] for p in at], "o-", color="tab:green", label="update per token (µs)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(at, [f"{p:,}" for p in at])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("position in the sequence")
+    ax.set_ylabel("µs per token, all layers")
+    ax2 = ax.twinx()
+    ax2.plot(at, [b[f"bytes_at_{p}"] / 2**20 for p in at], "s--", color="tab:gray", label="RingKvCache bytes()")
+    dense_keys = [k for k in b if k.startswith("dense_bytes_at_")]
+    if dense_keys:  # bytes per position of a KvCache that keeps them all, from the benchmark's own counter
+        per_position = b[dense_keys[0]] / int(dense_keys[0][len("dense_bytes_at_"):])
+        ax2.plot(at, [per_position * p / 2**20 for p in at], ":", color="tab:gray", label="KvCache of every position")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("MiB")
+    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="center left")
+    ax.set_title(f"RingKvCache decode, window {int(b['window'])}, {dtype_of(b)}")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = out / "ring.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# model_bench: end to end.
+
+
+def table_model(model):
+    entries = sorted(runs(model, "model_generate/"), key=lambda b: b["N"])
+    if not entries:
+        return ""
+    lines = ["| N | cached tokens/s | uncached tokens/s | speedup | uncached total | how |", "|---:|---:|---:|---:|---:|---|"]
+    for b in entries:
+        how = "full loop" if b["uncached_full_loop"] == 1 else "Simpson's rule over 3 measured steps"
+        lines.append(f"| {int(b['N'])} | {b['cached_tokens_per_s']:,.0f} | {b['uncached_tokens_per_s']:,.1f} | "
+                     f"**{fmt(b['cached_over_uncached'])}×** | {fmt_time_us(b['uncached_total_ms'] * 1e3)} | {how} |")
+    checks = [b for b in entries if b["uncached_full_loop"] == 1]
+    if checks:
+        lines.append("")
+        lines.append("Check of the derivation where both were measured (Simpson ÷ full loop): " + ", ".join(
+            f"N={int(b['N'])}: {b['uncached_total_ms_derived'] / b['uncached_total_ms']:.2f}" for b in checks))
+    return "\n".join(lines)
+
+
+def plot_model(model, out):
+    entries = sorted(runs(model, "model_generate/"), key=lambda b: b["N"])
+    if not entries:
+        return None
+    n = [b["N"] for b in entries]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(n, [b["cached_tokens_per_s"] for b in entries], "o-", color="tab:blue", label="KvCache")
+    ax.plot(n, [b["uncached_tokens_per_s"] for b in entries], "-", color="tab:red")
+    for b in entries:
+        ax.plot(b["N"], b["uncached_tokens_per_s"], "o", color="tab:red",
+                markerfacecolor="tab:red" if b["uncached_full_loop"] == 1 else "white")
+    ax.plot([], [], "o-", color="tab:red", label="no cache (hollow: derived)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(n, [str(int(x)) for x in n])
+    ax.set_yscale("log")
+    ax.set_xlabel("generated tokens N")
+    ax.set_ylabel("tokens per second")
+    ax.set_title("Reference model, greedy generation")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "model.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# attention_bench: decode attention bandwidth against the machine's read bandwidth.
+#
+# Read from whatever the attention benchmark reports, without relying on exact names: a rate is
+# the first counter whose name says bytes per second; the history length S is a counter named
+# like S, or else the last number in the benchmark's name; an entry is the read-bandwidth
+# baseline when its name says read/memory/bandwidth/stream/memcpy and not attention.
+
+RATE_KEYS = re.compile(r"bytes_per_second|bytes_per_s|GBps|bandwidth", re.IGNORECASE)
+LENGTH_KEYS = ("S", "history", "keys", "kv_tokens", "tokens", "length", "seq")
+BASELINE = re.compile(r"read|memory|bandwidth|stream|memcpy", re.IGNORECASE)
+
+
+def rate_of(entry):
+    for key, value in entry.items():
+        if RATE_KEYS.search(key) and isinstance(value, (int, float)):
+            scale = 1e9 if "GBps" in key else 1.0
+            return value * scale, key
+    return None, None
+
+
+def length_of(entry):
+    for key in LENGTH_KEYS:
+        if isinstance(entry.get(key), (int, float)):
+            return float(entry[key])
+    numbers = re.findall(r"(\d+)", entry["name"].replace("/manual_time", "").replace("/real_time", ""))
+    return float(numbers[-1]) if numbers else None
+
+
+def series_name(entry):
+    name = entry.get("run_name", entry["name"])
+    parts = [p for p in name.split("/") if not re.fullmatch(r"[A-Za-z_]*:?\d+", p) and p not in ("manual_time", "real_time")]
+    return "/".join(parts)
+
+
+def plot_attention(attention, out):
+    if attention is None:
+        return None
+    series = {}
+    baseline = {}
+    for entry in runs(attention, ""):
+        rate, _ = rate_of(entry)
+        if rate is None:
+            continue
+        is_baseline = BASELINE.search(entry["name"]) and "attention" not in entry["name"].lower()
+        target = baseline if is_baseline else series
+        target.setdefault(series_name(entry), []).append((length_of(entry), rate))
+    if not series:
+        print("plot.py: attention_bench.json has no entry with a bytes-per-second counter; no attention plot",
+              file=sys.stderr)
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in sorted(series.items()):
+        points = sorted(p for p in points if p[0] is not None)
+        ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], "o-", label=name)
+    for name, points in sorted(baseline.items()):
+        with_length = sorted(p for p in points if p[0] is not None)
+        if len(with_length) > 1:
+            ax.plot([p[0] for p in with_length], [p[1] / 1e9 for p in with_length], "k--", label=f"{name} (measured)")
+        else:
+            best = max(p[1] for p in points)
+            ax.axhline(best / 1e9, color="black", linestyle="--", label=f"{name}: {best / 1e9:.1f} GB/s (measured)")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("history length S (keys)")
+    ax.set_ylabel("K + V read, GB/s")
+    ax.set_title("Decode attention (T = 1): bandwidth against the measured read bandwidth")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "attention_bandwidth.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table_attention(attention):
+    if attention is None:
+        return ""
+    lines = ["| benchmark | S | GB/s |", "|---|---:|---:|"]
+    for entry in runs(attention, ""):
+        rate, _ = rate_of(entry)
+        if rate is not None:
+            s = length_of(entry)
+            lines.append(f"| {entry['name'].replace('/manual_time', '')} | {int(s) if s else '–'} | {rate / 1e9:.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def main():
+    directory = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results")
+    cache = load(directory, "cache_bench")
+    model = load(directory, "model_bench")
+    attention = load(directory, "attention_bench")
+    plots = [plot_cache_vs_concat(cache, directory), plot_ring(cache, directory), plot_model(model, directory),
+             plot_attention(attention, directory)]
+    sections = [
+        ("Cache against concat", table_cache_vs_concat(cache)),
+        ("Update against memcpy, flatness, ring", table_micro(cache)),
+        ("End to end", table_model(model)),
+        ("Attention bandwidth", table_attention(attention)),
+    ]
+    tables = directory / "tables.md"
+    with tables.open("w") as f:
+        for title, body in sections:
+            if body:
+                f.write(f"### {title}\n\n{body}\n\n")
+    for path in plots:
+        if path:
+            print(f"plot.py: wrote {path}")
+    print(f"plot.py: wrote {tables}")
+
+
+if __name__ == "__main__":
+    main()

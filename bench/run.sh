@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+#
+# The one command behind bench/RESULTS.md: builds the benchmarks with the release preset
+# (-O3, -march=native), runs each with JSON output into bench/results/, records the machine,
+# and renders the plots and ratio tables.
+#
+#   bench/run.sh                                   # everything
+#   bench/run.sh --benchmark_filter=generate/      # extra arguments go to every benchmark program
+#   KVCACHE_BENCHES="cache_bench" bench/run.sh     # only these programs
+#
+# The machine is shared: the figures worth quoting are the ratios, each measured inside one
+# benchmark with its two sides interleaved. Run it when the machine is quiet (see `uptime`).
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+results="bench/results"
+mkdir -p "$results"
+
+if [[ -n "${KVCACHE_BENCHES:-}" ]]; then
+  read -r -a benches <<<"$KVCACHE_BENCHES"
+else
+  benches=()
+  for source in bench/*_bench.cpp; do benches+=("$(basename "$source" .cpp)"); done
+fi
+
+cmake --preset release
+cmake --build --preset release --target "${benches[@]}"
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "compiler: $(c++ --version | head -n 1)"
+  echo "kernel: $(uname -sr)"
+  echo "load before the run: $(cut -d ' ' -f 1-3 /proc/loadavg)"
+  echo
+  lscpu
+  echo
+  free -h
+} >"$results/machine.txt"
+
+for bench in "${benches[@]}"; do
+  echo "== $bench"
+  # KVCACHE_BENCH_SMOKE would register only the tiny cases: never for figures.
+  env -u KVCACHE_BENCH_SMOKE "build/release/bench/$bench" \
+    --benchmark_out="$results/$bench.json" --benchmark_out_format=json "$@"
+done
+echo "load after the run: $(cut -d ' ' -f 1-3 /proc/loadavg)" >>"$results/machine.txt"
+
+# Debian's python3-matplotlib lives with the system interpreter, not with whatever python3 is first on PATH.
+/usr/bin/python3 bench/plot.py "$results"
