@@ -255,72 +255,101 @@ def plot_model(model, out):
 # ------------------------------------------------------------------------------------------------
 # attention_bench: decode attention bandwidth against the machine's read bandwidth.
 #
-# Read from whatever the attention benchmark reports, without relying on exact names: a rate is
-# the first counter whose name says bytes per second; the history length S is a counter named
-# like S, or else the last number in the benchmark's name; an entry is the read-bandwidth
-# baseline when its name says read/memory/bandwidth/stream/memcpy and not attention.
+# Read from whatever the attention benchmark reports, leaning on names as little as possible:
+# the rate is the counter `bytes_per_second` (else the first counter whose name says bytes per
+# second); the history length S is the argument `S:<n>` in the name (else a counter named like
+# S, else the last number in the name); an entry is a read-bandwidth baseline when its name says
+# read/memory/bandwidth/stream/memcpy and not attention; `threads:<n>` in a name picks the panel.
 
 RATE_KEYS = re.compile(r"bytes_per_second|bytes_per_s|GBps|bandwidth", re.IGNORECASE)
 LENGTH_KEYS = ("S", "history", "keys", "kv_tokens", "tokens", "length", "seq")
 BASELINE = re.compile(r"read|memory|bandwidth|stream|memcpy", re.IGNORECASE)
+SUFFIXES = ("/manual_time", "/real_time", "/process_time")
+
+
+def bare_name(entry):
+    name = entry.get("run_name") or entry["name"]
+    for suffix in SUFFIXES:
+        name = name.replace(suffix, "")
+    return name
 
 
 def rate_of(entry):
+    if isinstance(entry.get("bytes_per_second"), (int, float)):
+        return float(entry["bytes_per_second"])
     for key, value in entry.items():
         if RATE_KEYS.search(key) and isinstance(value, (int, float)):
-            scale = 1e9 if "GBps" in key else 1.0
-            return value * scale, key
-    return None, None
+            return value * (1e9 if "GBps" in key else 1.0)
+    return None
+
+
+def named_arg(entry, arg):
+    match = re.search(rf"(?:^|/){re.escape(arg)}:(\d+)(?:/|$)", bare_name(entry))
+    return int(match.group(1)) if match else None
 
 
 def length_of(entry):
+    s = named_arg(entry, "S")
+    if s is not None:
+        return s
     for key in LENGTH_KEYS:
         if isinstance(entry.get(key), (int, float)):
-            return float(entry[key])
-    numbers = re.findall(r"(\d+)", entry["name"].replace("/manual_time", "").replace("/real_time", ""))
-    return float(numbers[-1]) if numbers else None
+            return int(entry[key])
+    numbers = re.findall(r"(\d+)", bare_name(entry))
+    return int(numbers[-1]) if numbers else None
 
 
 def series_name(entry):
-    name = entry.get("run_name", entry["name"])
-    parts = [p for p in name.split("/") if not re.fullmatch(r"[A-Za-z_]*:?\d+", p) and p not in ("manual_time", "real_time")]
+    """The name without its S and threads arguments: one line per remaining combination."""
+    parts = [p for p in bare_name(entry).split("/") if not re.fullmatch(r"(S|threads):\d+", p)]
     return "/".join(parts)
+
+
+def attention_points(attention):
+    """{threads: ({series: [(S, rate)]} for attention, {series: [(S, rate)]} for baselines)}."""
+    panels = {}
+    for entry in runs(attention, ""):
+        rate = rate_of(entry)
+        if rate is None:
+            continue
+        is_baseline = BASELINE.search(entry["name"]) and "attention" not in entry["name"].lower()
+        threads = named_arg(entry, "threads") or 1
+        series, baseline = panels.setdefault(threads, ({}, {}))
+        (baseline if is_baseline else series).setdefault(series_name(entry), []).append((length_of(entry), rate))
+    return panels
 
 
 def plot_attention(attention, out):
     if attention is None:
         return None
-    series = {}
-    baseline = {}
-    for entry in runs(attention, ""):
-        rate, _ = rate_of(entry)
-        if rate is None:
-            continue
-        is_baseline = BASELINE.search(entry["name"]) and "attention" not in entry["name"].lower()
-        target = baseline if is_baseline else series
-        target.setdefault(series_name(entry), []).append((length_of(entry), rate))
-    if not series:
-        print("plot.py: attention_bench.json has no entry with a bytes-per-second counter; no attention plot",
+    panels = attention_points(attention)
+    if not any(series for series, _ in panels.values()):
+        print("plot.py: attention_bench.json has no attention entry with a bytes-per-second counter; no plot",
               file=sys.stderr)
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, points in sorted(series.items()):
-        points = sorted(p for p in points if p[0] is not None)
-        ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], "o-", label=name)
-    for name, points in sorted(baseline.items()):
-        with_length = sorted(p for p in points if p[0] is not None)
-        if len(with_length) > 1:
-            ax.plot([p[0] for p in with_length], [p[1] / 1e9 for p in with_length], "k--", label=f"{name} (measured)")
-        else:
-            best = max(p[1] for p in points)
-            ax.axhline(best / 1e9, color="black", linestyle="--", label=f"{name}: {best / 1e9:.1f} GB/s (measured)")
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("history length S (keys)")
-    ax.set_ylabel("K + V read, GB/s")
-    ax.set_title("Decode attention (T = 1): bandwidth against the measured read bandwidth")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False, sharey=True)
+    for ax, threads in zip(axes[0], sorted(panels)):
+        series, baseline = panels[threads]
+        for name, points in sorted(series.items()):
+            points = sorted(p for p in points if p[0] is not None)
+            ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], "o-", label=name, alpha=0.85)
+        for name, points in sorted(baseline.items()):
+            points = sorted(p for p in points if p[0] is not None)
+            if len(points) > 1:
+                ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], "k--", linewidth=2,
+                        label=f"{name} (plain read, measured)")
+            elif points:
+                ax.axhline(points[0][1] / 1e9, color="black", linestyle="--", label=f"{name} (plain read, measured)")
+        xs = sorted({p[0] for pts in series.values() for p in pts if p[0] is not None})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:,}" for x in xs])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("history length S (keys)")
+        ax.set_ylabel("K + V bytes read per second (GB/s)")
+        ax.set_title(f"threads = {threads}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Decode attention (T = 1) against the plain read bandwidth of the same bytes")
     fig.tight_layout()
     path = out / "attention_bandwidth.png"
     fig.savefig(path, dpi=110)
@@ -331,13 +360,34 @@ def plot_attention(attention, out):
 def table_attention(attention):
     if attention is None:
         return ""
-    lines = ["| benchmark | S | GB/s |", "|---|---:|---:|"]
+    panels = attention_points(attention)
+    ratios = {}  # (threads, series, S) -> vs_read, where the benchmark reports it
     for entry in runs(attention, ""):
-        rate, _ = rate_of(entry)
-        if rate is not None:
-            s = length_of(entry)
-            lines.append(f"| {entry['name'].replace('/manual_time', '')} | {int(s) if s else '–'} | {rate / 1e9:.1f} |")
-    return "\n".join(lines) if len(lines) > 2 else ""
+        if isinstance(entry.get("vs_read"), (int, float)):
+            ratios[(named_arg(entry, "threads") or 1, series_name(entry), length_of(entry))] = entry["vs_read"]
+    lengths = sorted({p[0] for series, baseline in panels.values() for group in (series, baseline)
+                      for pts in group.values() for p in pts if p[0] is not None})
+    if not lengths:
+        return ""
+    lines = ["| threads | benchmark | " + " | ".join(f"S = {s:,}" for s in lengths) + " |",
+             "|---:|---|" + "---:|" * len(lengths)]
+    for threads in sorted(panels):
+        series, baseline = panels[threads]
+        for group in (baseline, series):
+            for name, points in sorted(group.items()):
+                by_length = dict(points)
+                cells = []
+                for s in lengths:
+                    if s not in by_length:
+                        cells.append("–")
+                        continue
+                    ratio = ratios.get((threads, name, s))
+                    cells.append(f"{by_length[s] / 1e9:.1f}" + (f" ({ratio:.2f})" if ratio is not None else ""))
+                lines.append(f"| {threads} | {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("GB/s of K and V read; in brackets, the benchmark's own `vs_read`: attention's bandwidth over a plain "
+                 "read of the same K and V measured just before it.")
+    return "\n".join(lines)
 
 
 def main():
