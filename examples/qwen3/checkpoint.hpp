@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// A Hugging Face style checkpoint directory: config.json plus one or more .safetensors files
+// with names such as model.layers.0.self_attn.q_proj.weight (F32, F16 or BF16).
+//
+//   qwen3::Model model(qwen3::load_checkpoint("path/to/Qwen3-0.6B"));
+//   qwen3::save_checkpoint("tiny", qwen3::random_weights(qwen3::Config{}), qwen3::safetensors::Dtype::bf16);
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qwen3/config.hpp"
+#include "qwen3/json.hpp"
+#include "qwen3/model.hpp"
+#include "qwen3/safetensors.hpp"
+
+namespace qwen3 {
+
+namespace detail {
+
+[[noreturn]] inline void config_error(const std::string& source, const std::string& message) {
+  throw safetensors::Error(source + ": " + message);
+}
+
+}  // namespace detail
+
+/// Reads the decoder's shape from config.json text; safetensors::Error naming `source` and the
+/// field for a missing, mistyped or unsupported one.
+[[nodiscard]] inline Config parse_config(std::string_view text, const std::string& source = "config.json") {
+  const auto fail = [&](const std::string& message) { detail::config_error(source, message); };
+  json::Value root;
+  try {
+    root = json::parse(text);
+  } catch (const json::Error& e) {
+    fail(std::string("not valid JSON: ") + e.what());
+  }
+  if (!root.is_object()) fail(std::string("expected a JSON object, given ") + root.kind());
+  const auto count = [&](const char* key) -> std::size_t {
+    const json::Value* v = root.find(key);
+    if (v == nullptr) fail(std::string(key) + ": missing");
+    if (!v->is_uint() || v->as_uint() == 0)
+      fail(std::string(key) + ": expected a positive integer, given " + v->describe());
+    return static_cast<std::size_t>(v->as_uint());
+  };
+  const auto number = [&](const char* key, double fallback) -> double {
+    const json::Value* v = root.find(key);
+    if (v == nullptr) return fallback;
+    if (!v->is_number()) fail(std::string(key) + ": expected a number, given " + v->describe());
+    return v->as_double();
+  };
+  const auto flag = [&](const char* key, bool fallback) -> bool {
+    const json::Value* v = root.find(key);
+    if (v == nullptr || v->is_null()) return fallback;
+    if (!v->is_bool()) fail(std::string(key) + ": expected true or false, given " + v->describe());
+    return v->as_bool();
+  };
+  const auto require_string = [&](const char* key, const char* expected) {
+    const json::Value* v = root.find(key);
+    if (v != nullptr && (!v->is_string() || v->as_string() != expected)) {
+      fail(std::string(key) + ": expected \"" + expected + "\" (this is a Qwen3 decoder), given " + v->describe());
+    }
+  };
+  require_string("model_type", "qwen3");
+  require_string("hidden_act", "silu");
+  if (flag("attention_bias", false))
+    fail("attention_bias: expected false (Qwen3 projections have no bias), given true");
+  if (const json::Value* v = root.find("rope_scaling"); v != nullptr && !v->is_null()) {
+    fail("rope_scaling: expected null (scaled rotary embeddings are not implemented), given " + std::string(v->kind()));
+  }
+  if (flag("use_sliding_window", false)) {
+    fail("use_sliding_window: expected false (per-layer windows are not implemented; a window is a cache choice here)");
+  }
+  Config c;
+  c.vocab = count("vocab_size");
+  c.hidden = count("hidden_size");
+  c.layers = count("num_hidden_layers");
+  c.q_heads = count("num_attention_heads");
+  c.kv_heads = root.find("num_key_value_heads") ? count("num_key_value_heads") : c.q_heads;
+  c.head_dim = root.find("head_dim") ? count("head_dim") : c.hidden / c.q_heads;
+  c.mlp = count("intermediate_size");
+  c.rms_eps = static_cast<float>(number("rms_norm_eps", 1e-6));
+  // Required: a checkpoint without it would silently get a different rotary base elsewhere.
+  if (root.find("rope_theta") == nullptr) fail("rope_theta: missing");
+  c.rope_theta = number("rope_theta", 0.0);
+  c.tied = flag("tie_word_embeddings", false);  // the Qwen3 configuration's default
+  try {
+    c.validate();
+  } catch (const std::invalid_argument& e) {
+    fail(e.what());
+  }
+  return c;
+}
+
+/// config.json text for `c`, with every field parse_config reads.
+[[nodiscard]] inline std::string config_json(const Config& c) {
+  std::ostringstream s;
+  s.precision(17);
+  s << "{\n  \"architectures\": [\"Qwen3ForCausalLM\"],\n  \"model_type\": \"qwen3\",\n  \"hidden_act\": \"silu\",\n"
+    << "  \"attention_bias\": false,\n  \"vocab_size\": " << c.vocab << ",\n  \"hidden_size\": " << c.hidden
+    << ",\n  \"num_hidden_layers\": " << c.layers << ",\n  \"num_attention_heads\": " << c.q_heads
+    << ",\n  \"num_key_value_heads\": " << c.kv_heads << ",\n  \"head_dim\": " << c.head_dim
+    << ",\n  \"intermediate_size\": " << c.mlp << ",\n  \"rms_norm_eps\": " << static_cast<double>(c.rms_eps)
+    << ",\n  \"rope_theta\": " << c.rope_theta
+    << ",\n  \"rope_scaling\": null,\n  \"tie_word_embeddings\": " << (c.tied ? "true" : "false") << "\n}\n";
+  return s.str();
+}
+
+namespace detail {
+
+inline std::string read_text(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw safetensors::Error(path.string() + ": cannot open the file");
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+}  // namespace detail
+
+/// The Config in `dir`/config.json.
+[[nodiscard]] inline Config load_config(const std::filesystem::path& dir) {
+  return parse_config(detail::read_text(dir / "config.json"), (dir / "config.json").filename().string());
+}
+
+/// Every tensor of the model described by `dir`/config.json, from the .safetensors files in
+/// `dir`. safetensors::Error, naming the file and the tensor, for a malformed file, a tensor
+/// missing, found twice, not part of the model, or of the wrong shape.
+[[nodiscard]] inline Weights load_checkpoint(const std::filesystem::path& dir) {
+  const Config config = load_config(dir);
+  std::vector<std::filesystem::path> paths;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".safetensors") paths.push_back(entry.path());
+  }
+  if (ec) throw safetensors::Error(dir.string() + ": cannot list the directory (" + ec.message() + ")");
+  if (paths.empty()) throw safetensors::Error(dir.string() + ": no .safetensors files");
+  std::sort(paths.begin(), paths.end());
+
+  std::vector<safetensors::File> files;
+  std::map<std::string, std::pair<std::size_t, const safetensors::TensorInfo*>> where;
+  files.reserve(paths.size());  // `where` points into the files' tensor lists
+  for (const auto& path : paths) files.push_back(safetensors::File::open(path));
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    for (const auto& info : files[f].tensors()) {
+      const auto [it, inserted] = where.emplace(info.name, std::make_pair(f, &info));
+      if (!inserted) {
+        throw safetensors::Error(files[f].path().filename().string() + ": tensor '" + info.name + "': also in " +
+                                 files[it->second.first].path().filename().string());
+      }
+    }
+  }
+
+  Weights w = Weights::zeros(config);
+  for_each_tensor(w, [&](const std::string& name, auto& tensor, const std::vector<std::size_t>& expected) {
+    const auto it = where.find(name);
+    if (it == where.end()) {
+      std::string list;
+      for (const auto& p : paths) list += (list.empty() ? "" : ", ") + p.filename().string();
+      throw safetensors::Error(dir.filename().string() + ": tensor '" + name + "' not found in " + list);
+    }
+    auto& [f, info] = it->second;
+    const std::vector<std::uint64_t> want(expected.begin(), expected.end());
+    if (info->shape != want) {
+      throw safetensors::Error(files[f].path().filename().string() + ": tensor '" + name + "': shape " +
+                               safetensors::shape_str(info->shape) + ", expected " + safetensors::shape_str(want) +
+                               " from config.json");
+    }
+    files[f].read(*info, std::span<float>(tensor.data(), static_cast<std::size_t>(tensor.size())));
+    where.erase(it);
+  });
+  // Tied checkpoints sometimes still carry lm_head.weight: tying means it is not read.
+  if (config.tied) where.erase("lm_head.weight");
+  if (!where.empty()) {
+    const auto& [name, place] = *where.begin();
+    throw safetensors::Error(files[place.first].path().filename().string() + ": tensor '" + name +
+                             "': not part of a Qwen3 model with this config.json (" + std::to_string(where.size()) +
+                             " such tensors)");
+  }
+  return w;
+}
+
+/// Writes `w` as `dir`/config.json plus safetensors in `dtype`, split over `shards` files
+/// (model-00001-of-0000N.safetensors, or model.safetensors for one). Creates `dir`.
+inline void save_checkpoint(const std::filesystem::path& dir, const Weights& w,
+                            safetensors::Dtype dtype = safetensors::Dtype::f32, std::size_t shards = 1) {
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream out(dir / "config.json", std::ios::binary | std::ios::trunc);
+    out << config_json(w.config);
+    if (!out.flush()) throw safetensors::Error((dir / "config.json").string() + ": writing failed");
+  }
+  std::vector<safetensors::TensorToWrite> all;
+  for_each_tensor(w, [&](const std::string& name, const auto& tensor, const std::vector<std::size_t>& shape) {
+    all.push_back({name, dtype, std::vector<std::uint64_t>(shape.begin(), shape.end()),
+                   std::span<const float>(tensor.data(), static_cast<std::size_t>(tensor.size()))});
+  });
+  shards = std::clamp<std::size_t>(shards, 1, all.size());
+  for (std::size_t s = 0; s < shards; ++s) {
+    const std::vector<safetensors::TensorToWrite> part(
+        all.begin() + static_cast<std::ptrdiff_t>(s * all.size() / shards),
+        all.begin() + static_cast<std::ptrdiff_t>((s + 1) * all.size() / shards));
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", s + 1, shards);
+    safetensors::write(dir / (shards == 1 ? std::string("model.safetensors") : std::string(name)), part,
+                       {{"format", "pt"}});
+  }
+}
+
+}  // namespace qwen3

@@ -1,0 +1,431 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// A tiny Qwen3-style decoder that runs over any kvcache cache, and without one.
+//
+// Per layer: RMSNorm -> q/k/v projections -> per-head RMSNorm on q and k -> rotary embedding
+// (rotate-half) -> grouped-query causal attention -> o projection -> residual -> RMSNorm ->
+// SwiGLU MLP down(silu(gate(x)) * up(x)) -> residual. Then a final RMSNorm and logits through
+// the embedding matrix (or lm_head). Everything computes in float; the cache may store K and V
+// as float, double, Eigen::half or Eigen::bfloat16.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "kvcache/attention.hpp"
+#include "kvcache/concepts.hpp"
+#include "kvcache/views.hpp"
+#include "qwen3/config.hpp"
+
+namespace qwen3 {
+
+using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Vector = Eigen::Matrix<float, 1, Eigen::Dynamic>;  // norm weights, applied to rows
+using TokenId = std::int32_t;
+
+/// One decoder layer's parameters; matrices are [out, in] like a checkpoint's linear weights.
+struct LayerWeights {
+  Vector input_norm;  // [hidden]
+  Matrix q_proj;      // [q_heads * head_dim, hidden]
+  Matrix k_proj;      // [kv_heads * head_dim, hidden]
+  Matrix v_proj;      // [kv_heads * head_dim, hidden]
+  Matrix o_proj;      // [hidden, q_heads * head_dim]
+  Vector q_norm;      // [head_dim]
+  Vector k_norm;      // [head_dim]
+  Vector post_norm;   // [hidden]
+  Matrix gate_proj;   // [mlp, hidden]
+  Matrix up_proj;     // [mlp, hidden]
+  Matrix down_proj;   // [hidden, mlp]
+};
+
+/// Every parameter of the model, with the config that sizes them.
+struct Weights {
+  Config config;
+  Matrix embed;  // [vocab, hidden]
+  std::vector<LayerWeights> layers;
+  Vector final_norm;  // [hidden]
+  Matrix lm_head;     // [vocab, hidden]; empty when config.tied
+
+  /// Weights of the config's shapes, all zero; throws std::invalid_argument for a bad config.
+  [[nodiscard]] static Weights zeros(const Config& config) {
+    config.validate();
+    const auto matrix = [](std::size_t rows, std::size_t cols) {
+      return Matrix::Zero(static_cast<Eigen::Index>(rows), static_cast<Eigen::Index>(cols)).eval();
+    };
+    const auto vector = [](std::size_t n) { return Vector::Zero(static_cast<Eigen::Index>(n)).eval(); };
+    Weights w{config, matrix(config.vocab, config.hidden), {}, vector(config.hidden), {}};
+    if (!config.tied) w.lm_head = matrix(config.vocab, config.hidden);
+    w.layers.reserve(config.layers);
+    for (std::size_t l = 0; l < config.layers; ++l) {
+      w.layers.push_back({vector(config.hidden), matrix(config.q_width(), config.hidden),
+                          matrix(config.kv_width(), config.hidden), matrix(config.kv_width(), config.hidden),
+                          matrix(config.hidden, config.q_width()), vector(config.head_dim), vector(config.head_dim),
+                          vector(config.hidden), matrix(config.mlp, config.hidden), matrix(config.mlp, config.hidden),
+                          matrix(config.hidden, config.mlp)});
+    }
+    return w;
+  }
+};
+
+/// Calls f(name, tensor, shape) for every parameter in checkpoint order, with its Hugging Face
+/// name, the Matrix or Vector that holds it, and the shape the config expects ({n} or {rows, cols}).
+/// The one list of names that loading, saving, validating and the traffic report share.
+template <class W, class F>
+requires std::is_same_v<std::remove_const_t<W>, Weights>
+void for_each_tensor(W& w, F&& f) {
+  const Config& c = w.config;
+  f(std::string("model.embed_tokens.weight"), w.embed, std::vector<std::size_t>{c.vocab, c.hidden});
+  for (std::size_t l = 0; l < w.layers.size(); ++l) {
+    auto& layer = w.layers[l];
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    f(p + "input_layernorm.weight", layer.input_norm, std::vector<std::size_t>{c.hidden});
+    f(p + "self_attn.q_proj.weight", layer.q_proj, std::vector<std::size_t>{c.q_width(), c.hidden});
+    f(p + "self_attn.k_proj.weight", layer.k_proj, std::vector<std::size_t>{c.kv_width(), c.hidden});
+    f(p + "self_attn.v_proj.weight", layer.v_proj, std::vector<std::size_t>{c.kv_width(), c.hidden});
+    f(p + "self_attn.o_proj.weight", layer.o_proj, std::vector<std::size_t>{c.hidden, c.q_width()});
+    f(p + "self_attn.q_norm.weight", layer.q_norm, std::vector<std::size_t>{c.head_dim});
+    f(p + "self_attn.k_norm.weight", layer.k_norm, std::vector<std::size_t>{c.head_dim});
+    f(p + "post_attention_layernorm.weight", layer.post_norm, std::vector<std::size_t>{c.hidden});
+    f(p + "mlp.gate_proj.weight", layer.gate_proj, std::vector<std::size_t>{c.mlp, c.hidden});
+    f(p + "mlp.up_proj.weight", layer.up_proj, std::vector<std::size_t>{c.mlp, c.hidden});
+    f(p + "mlp.down_proj.weight", layer.down_proj, std::vector<std::size_t>{c.hidden, c.mlp});
+  }
+  f(std::string("model.norm.weight"), w.final_norm, std::vector<std::size_t>{c.hidden});
+  if (!c.tied) f(std::string("lm_head.weight"), w.lm_head, std::vector<std::size_t>{c.vocab, c.hidden});
+}
+
+/// The shape a tensor has, as the same kind of list for_each_tensor gives ({n} for a Vector).
+template <class Tensor>
+[[nodiscard]] std::vector<std::size_t> shape_of(const Tensor& t) {
+  if constexpr (Tensor::RowsAtCompileTime == 1) {
+    return {static_cast<std::size_t>(t.cols())};
+  } else {
+    return {static_cast<std::size_t>(t.rows()), static_cast<std::size_t>(t.cols())};
+  }
+}
+
+/// A fixed pseudo-random generator (splitmix64): the same numbers on every platform and
+/// standard library, which std's distributions do not promise.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(std::uint64_t seed) noexcept : state_(seed) {}
+
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+
+  /// Uniform in [-1, 1) with 24 random bits, so every value is exact in float.
+  float uniform() noexcept {
+    const auto bits = static_cast<std::int32_t>(next() >> 40);  // [0, 2^24)
+    return static_cast<float>(bits - (1 << 23)) * 0x1p-23f;
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+/// FNV-1a of a tensor name: each tensor gets its own stream, so adding one moves no other.
+[[nodiscard]] inline std::uint64_t name_hash(const std::string& name) noexcept {
+  std::uint64_t h = 0xcbf29ce484222325ULL;
+  for (const char ch : name) h = (h ^ static_cast<unsigned char>(ch)) * 0x100000001b3ULL;
+  return h;
+}
+
+/// Weights drawn from `seed`: projections uniform with variance 1/fan_in (so activations keep
+/// their scale), the embedding scaled so logits stay within a few units, norm weights near 1.
+[[nodiscard]] inline Weights random_weights(const Config& config, std::uint64_t seed = 2024) {
+  Weights w = Weights::zeros(config);
+  const float sqrt3 = std::sqrt(3.0f);
+  for_each_tensor(w, [&](const std::string& name, auto& tensor, const std::vector<std::size_t>& shape) {
+    SplitMix64 rng(seed ^ name_hash(name));
+    float* data = tensor.data();
+    const auto size = static_cast<std::size_t>(tensor.size());
+    if (shape.size() == 1) {
+      // Near 1 but not 1, so a norm weight applied to the wrong axis changes the logits.
+      for (std::size_t i = 0; i < size; ++i) data[i] = 1.0f + 0.2f * rng.uniform();
+      return;
+    }
+    const bool output_table = name == "model.embed_tokens.weight" || name == "lm_head.weight";
+    // Logits are a normalized row times this table: std 1 / sqrt(hidden) per entry gives
+    // logits of a few units, peaked enough for greedy decoding to mean something, small
+    // enough that float rounding (a few ulps of the largest logit) stays well under 1e-5.
+    const float stddev =
+        output_table ? 1.0f / std::sqrt(static_cast<float>(shape[1])) : 1.0f / std::sqrt(static_cast<float>(shape[1]));
+    for (std::size_t i = 0; i < size; ++i) data[i] = sqrt3 * stddev * rng.uniform();
+  });
+  return w;
+}
+
+/// Which positions forward() returns logits for.
+enum class Logits { all, last };
+
+/// A sliding window for the uncached pass, as RingKvCache applies it: query p sees key k iff
+/// p - size < k <= p, or k < sinks. size 0 means full causal attention.
+struct Window {
+  std::size_t size = 0;
+  std::size_t sinks = 0;
+};
+
+/// The decoder. forward() reads and extends any cache that follows kvcache's protocol;
+/// forward_uncached() recomputes the whole sequence with none.
+///
+///   qwen3::Model model(qwen3::random_weights(qwen3::Config{}));
+///   kvcache::KvCache<float> cache({.layers = 4, .kv_heads = 2, .head_dim = 32, .capacity = 512});
+///   qwen3::Matrix prefill = model.forward(prompt, cache);                 // [P, vocab]
+///   qwen3::Matrix next = model.forward(one_token, cache, qwen3::Logits::last);  // [1, vocab]
+///
+/// A Model keeps scratch buffers between calls: use one Model per thread.
+class Model {
+ public:
+  /// Takes the weights; throws std::invalid_argument naming a tensor whose shape is not the config's.
+  explicit Model(Weights weights) : w_(std::move(weights)) {
+    w_.config.validate();
+    if (w_.layers.size() != w_.config.layers) {
+      throw std::invalid_argument("qwen3::Model: layers: expected " + std::to_string(w_.config.layers) + ", given " +
+                                  std::to_string(w_.layers.size()));
+    }
+    for_each_tensor(std::as_const(w_), [](const std::string& name, const auto& tensor, const auto& expected) {
+      if (shape_of(tensor) != expected) {
+        throw std::invalid_argument("qwen3::Model: " + name + ": expected shape " + shape_str(expected) + ", given " +
+                                    shape_str(shape_of(tensor)));
+      }
+    });
+    const std::size_t half = w_.config.head_dim / 2;
+    inv_freq_.resize(half);
+    for (std::size_t i = 0; i < half; ++i) {
+      inv_freq_[i] =
+          std::pow(w_.config.rope_theta, -static_cast<double>(2 * i) / static_cast<double>(w_.config.head_dim));
+    }
+  }
+
+  [[nodiscard]] const Config& config() const noexcept { return w_.config; }
+  [[nodiscard]] const Weights& weights() const noexcept { return w_; }
+
+  /// Logits [T, vocab] (or [1, vocab] for Logits::last) of `tokens` at positions
+  /// cache.length() + 0..T-1, writing their K and V into `cache` (batch 1, the config's kv
+  /// heads and head_dim). Throws std::out_of_range for a token outside the vocabulary before
+  /// touching the cache; a cache error propagates with the cache rolled back to where it was.
+  template <kvcache::kv_cache_protocol Cache>
+  Matrix forward(std::span<const TokenId> tokens, Cache& cache, Logits which = Logits::all) {
+    using T = typename Cache::value_type;
+    check_tokens(tokens);
+    const std::size_t start = cache.length();
+    try {
+      auto attend = [&](std::size_t layer, const Attention& a) {
+        const Converted<T> kv(a.k, a.v);
+        const kvcache::History<T> history = cache.update(layer, kv.k, kv.v, a.positions);
+        kvcache::causal_attention<T, float>(a.q, a.positions, history, a.out);
+      };
+      return run(tokens, start, which, attend);
+    } catch (...) {
+      repair(cache, start);
+      throw;
+    }
+  }
+
+  /// Logits of the whole sequence at positions 0..T-1 with no cache, masked by `window`.
+  /// T is the element type K and V are rounded to before attention reads them, so a 16-bit
+  /// cache can be compared with the same rounding; float leaves them exact.
+  template <class T = float>
+  Matrix forward_uncached(std::span<const TokenId> tokens, Window window = {}, Logits which = Logits::all) {
+    check_tokens(tokens);
+    auto attend = [&](std::size_t, const Attention& a) {
+      const Converted<T> kv(a.k, a.v);
+      const kvcache::Segment<T> everything{kv.k, kv.v, a.positions};
+      const kvcache::History<T> history{std::span<const kvcache::Segment<T>>(&everything, 1)};
+      kvcache::causal_attention<T, float>(a.q, a.positions, history, a.out,
+                                          {.window = window.size, .sinks = window.sinks});
+    };
+    return run(tokens, 0, which, attend);
+  }
+
+ private:
+  /// One layer's attention inputs: q [1, H_q, T, D], k and v [1, H_kv, T, D] as strided views
+  /// of the projection outputs (no transposes), and where to write [1, H_q, T, D].
+  struct Attention {
+    kvcache::TensorView<const float> q;
+    kvcache::TensorView<const float> k;
+    kvcache::TensorView<const float> v;
+    std::span<const std::int64_t> positions;
+    kvcache::TensorView<float> out;
+  };
+
+  /// K and V as the cache's element type: the float views themselves, or a converted copy.
+  template <class T>
+  struct Converted {
+    Converted(const kvcache::TensorView<const float>& k_in, const kvcache::TensorView<const float>& v_in) {
+      if constexpr (std::is_same_v<T, float>) {
+        k = k_in;
+        v = v_in;
+      } else {
+        k = convert(k_in, k_data);
+        v = convert(v_in, v_data);
+      }
+    }
+    static kvcache::TensorView<const T> convert(const kvcache::TensorView<const float>& in, std::vector<T>& data) {
+      // The source is a dense [T, H_kv * D] matrix viewed with strides: copy it whole and reuse them.
+      const std::size_t n = in.tokens() * in.strides().tokens;
+      data.resize(n);
+      std::transform(in.data(), in.data() + n, data.begin(), [](float x) { return static_cast<T>(x); });
+      return {data.data(), in.shape(), in.strides()};
+    }
+    kvcache::TensorView<const T> k;
+    kvcache::TensorView<const T> v;
+    std::vector<T> k_data;
+    std::vector<T> v_data;
+  };
+
+  static std::string shape_str(const std::vector<std::size_t>& shape) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    return s + "]";
+  }
+
+  void check_tokens(std::span<const TokenId> tokens) const {
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] < 0 || static_cast<std::size_t>(tokens[i]) >= w_.config.vocab) {
+        throw std::out_of_range("qwen3::Model: token " + std::to_string(i) + ": expected an id in [0, " +
+                                std::to_string(w_.config.vocab) + "), given " + std::to_string(tokens[i]));
+      }
+    }
+  }
+
+  /// After a failed pass, puts every layer back to `start` tokens when the cache can.
+  template <class Cache>
+  static void repair(Cache& cache, std::size_t start) noexcept {
+    try {
+      for (std::size_t l = 0; l < cache.layers(); ++l) {
+        if (cache.length(l) != start) {
+          cache.truncate(start);
+          return;
+        }
+      }
+    } catch (...) {
+      // The cache cannot go back (a ring that has dropped the window); its length() now
+      // names the layers that disagree, which is the most useful thing left to report.
+    }
+  }
+
+  static Eigen::Index idx(std::size_t n) noexcept { return static_cast<Eigen::Index>(n); }
+
+  /// out.row(t) = x.row(t) / rms(x.row(t)) * weight, for every row.
+  template <class X>
+  void rms_norm(const Eigen::MatrixBase<X>& x, const Vector& weight, Matrix& out) const {
+    out.resize(x.rows(), x.cols());
+    const float n = static_cast<float>(x.cols());
+    for (Eigen::Index t = 0; t < x.rows(); ++t) {
+      const float inv = 1.0f / std::sqrt(x.row(t).squaredNorm() / n + w_.config.rms_eps);
+      out.row(t) = (x.row(t).array() * inv * weight.array()).matrix();
+    }
+  }
+
+  /// Per-head RMSNorm, then the rotary embedding of each head_dim slice of `m` [T, heads * D].
+  void norm_and_rotate(Matrix& m, std::size_t heads, const Vector& weight) const {
+    const std::size_t dim = w_.config.head_dim;
+    const std::size_t half = dim / 2;
+    for (Eigen::Index t = 0; t < m.rows(); ++t) {
+      const float* cos = rope_cos_.row(t).data();
+      const float* sin = rope_sin_.row(t).data();
+      for (std::size_t h = 0; h < heads; ++h) {
+        Eigen::Map<Vector> x(m.row(t).data() + h * dim, idx(dim));
+        const float inv = 1.0f / std::sqrt(x.squaredNorm() / static_cast<float>(dim) + w_.config.rms_eps);
+        x = (x.array() * inv * weight.array()).matrix();
+        // Rotate-half: pairs are (i, i + D/2), not adjacent elements.
+        for (std::size_t i = 0; i < half; ++i) {
+          const float a = x[idx(i)];
+          const float b = x[idx(i + half)];
+          x[idx(i)] = a * cos[i] - b * sin[i];
+          x[idx(i + half)] = b * cos[i] + a * sin[i];
+        }
+      }
+    }
+  }
+
+  /// A non-owning reference to a callable: run() is compiled once, not once per cache type.
+  class AttendRef {
+   public:
+    template <class F>
+    AttendRef(F& f) noexcept  // NOLINT(google-explicit-constructor)
+        : object_(&f), call_([](void* o, std::size_t layer, const Attention& a) { (*static_cast<F*>(o))(layer, a); }) {}
+    void operator()(std::size_t layer, const Attention& a) const { call_(object_, layer, a); }
+
+   private:
+    void* object_;
+    void (*call_)(void*, std::size_t, const Attention&);
+  };
+
+  /// The layers, with attention delegated to `attend(layer, Attention)`.
+  Matrix run(std::span<const TokenId> tokens, std::size_t first, Logits which, AttendRef attend) {
+    const Config& c = w_.config;
+    const std::size_t n = tokens.size();
+    if (n == 0) return Matrix(0, idx(c.vocab));
+    positions_.resize(n);
+    std::iota(positions_.begin(), positions_.end(), static_cast<std::int64_t>(first));
+    // Angles in double: at position 30000 a float angle is already off by milliradians.
+    rope_cos_.resize(idx(n), idx(c.head_dim / 2));
+    rope_sin_.resize(idx(n), idx(c.head_dim / 2));
+    for (std::size_t t = 0; t < n; ++t) {
+      for (std::size_t i = 0; i < inv_freq_.size(); ++i) {
+        const double angle = static_cast<double>(positions_[t]) * inv_freq_[i];
+        rope_cos_(idx(t), idx(i)) = static_cast<float>(std::cos(angle));
+        rope_sin_(idx(t), idx(i)) = static_cast<float>(std::sin(angle));
+      }
+    }
+    x_.resize(idx(n), idx(c.hidden));
+    for (std::size_t t = 0; t < n; ++t) x_.row(idx(t)) = w_.embed.row(tokens[t]);
+
+    const std::size_t dim = c.head_dim;
+    const auto heads_view = [&](auto* data, std::size_t heads) {
+      // [T, heads * D] row-major is [1, heads, T, D] with token stride heads * D.
+      using V = kvcache::TensorView<std::remove_pointer_t<decltype(data)>>;
+      return V(data, {1, heads, n, dim}, {n * heads * dim, dim, heads * dim});
+    };
+    for (std::size_t l = 0; l < c.layers; ++l) {
+      const LayerWeights& lw = w_.layers[l];
+      rms_norm(x_, lw.input_norm, h_);
+      q_.noalias() = h_ * lw.q_proj.transpose();
+      k_.noalias() = h_ * lw.k_proj.transpose();
+      v_.noalias() = h_ * lw.v_proj.transpose();
+      norm_and_rotate(q_, c.q_heads, lw.q_norm);
+      norm_and_rotate(k_, c.kv_heads, lw.k_norm);
+      attn_.resize(idx(n), idx(c.q_width()));
+      attend(l, Attention{heads_view(static_cast<const float*>(q_.data()), c.q_heads),
+                          heads_view(static_cast<const float*>(k_.data()), c.kv_heads),
+                          heads_view(static_cast<const float*>(v_.data()), c.kv_heads), positions_,
+                          heads_view(attn_.data(), c.q_heads)});
+      x_.noalias() += attn_ * lw.o_proj.transpose();
+
+      rms_norm(x_, lw.post_norm, h_);
+      gate_.noalias() = h_ * lw.gate_proj.transpose();
+      up_.noalias() = h_ * lw.up_proj.transpose();
+      gate_.array() = gate_.array() / (1.0f + (-gate_.array()).exp()) * up_.array();  // silu(gate) * up
+      x_.noalias() += gate_ * lw.down_proj.transpose();
+    }
+    const Eigen::Index from = which == Logits::last ? idx(n - 1) : 0;
+    rms_norm(x_.bottomRows(idx(n) - from), w_.final_norm, h_);
+    const Matrix& head = c.tied ? w_.embed : w_.lm_head;
+    return h_ * head.transpose();
+  }
+
+  Weights w_;
+  std::vector<double> inv_freq_;  // theta^(-2i/D), i < D/2
+  // Scratch reused across calls, so a decode step allocates (almost) nothing.
+  std::vector<std::int64_t> positions_;
+  Matrix rope_cos_, rope_sin_, x_, h_, q_, k_, v_, attn_, gate_, up_;
+};
+
+}  // namespace qwen3

@@ -1,0 +1,452 @@
+// SPDX-License-Identifier: Apache-2.0
+// The proof that a cache changes nothing but speed: for fixed token ids, the tiny Qwen3 model's
+// logits with no cache and through every cache variant, fed in prefix / chunk / single-token
+// steps, agree at every position. Plus rollback (truncate and re-feed), and checks that the
+// comparison could fail: the window and earlier tokens do change the logits.
+
+#include <gtest/gtest.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <numeric>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kvcache/concat_kv_cache.hpp"
+#include "kvcache/kv_cache.hpp"
+#include "kvcache/ring_kv_cache.hpp"
+#include "qwen3/model.hpp"
+
+namespace {
+
+using qwen3::Matrix;
+using qwen3::TokenId;
+
+constexpr std::size_t sequence_length = 48;
+
+qwen3::Model& tiny_model() {
+  static qwen3::Model model(qwen3::random_weights(qwen3::Config{}));
+  return model;
+}
+
+/// Fixed token ids from a seed: never generated ones, so every run feeds the same inputs.
+std::vector<TokenId> fixed_tokens(std::size_t n, std::uint64_t seed) {
+  qwen3::SplitMix64 rng(seed);
+  std::vector<TokenId> tokens(n);
+  for (TokenId& t : tokens) t = static_cast<TokenId>(rng.next() % 256);
+  return tokens;
+}
+
+std::span<const TokenId> slice(const std::vector<TokenId>& tokens, std::size_t first, std::size_t count) {
+  return std::span<const TokenId>(tokens).subspan(first, count);
+}
+
+double max_abs_diff(const Matrix& a, const Matrix& b) {
+  EXPECT_EQ(a.rows(), b.rows());
+  EXPECT_EQ(a.cols(), b.cols());
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return INFINITY;
+  return static_cast<double>((a - b).cwiseAbs().maxCoeff());
+}
+
+// ---- the cases: a cache variant, its element type, its window, and the tolerance -------------
+
+/// The bound on |cached - uncached| for a cache storing T, the uncached side exact in float.
+/// float and double hold the model's float K and V exactly: 1e-5. The 16-bit types round them
+/// (half to an 11-bit significand, bfloat16 to 8 bits); on this model and these sequences that
+/// measured at most 2.8e-3 (half) and 2.3e-2 (bfloat16), and the bounds leave ~3x headroom.
+template <class T>
+constexpr double tolerance() {
+  if constexpr (std::is_same_v<T, Eigen::half>) return 1e-2;
+  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return 6e-2;
+  return 1e-5;
+}
+
+/// The bound when the uncached side rounds K and V to T too. Then only the float rounding of
+/// K and V before the cast differs (a chunk and a single token project it in a different
+/// order), so a 16-bit value now and then lands one step apart: measured 3.4e-4 (half) and
+/// 1.3e-3 (bfloat16).
+template <class T>
+constexpr double rounded_tolerance() {
+  if constexpr (std::is_same_v<T, Eigen::half>) return 1.5e-3;
+  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return 5e-3;
+  return 1e-5;
+}
+
+template <class T>
+const char* type_name() {
+  if constexpr (std::is_same_v<T, float>) return "float";
+  if constexpr (std::is_same_v<T, double>) return "double";
+  if constexpr (std::is_same_v<T, Eigen::half>) return "half";
+  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return "bfloat16";
+}
+
+template <template <class> class CacheT, class T>
+struct Dense {
+  using Cache = CacheT<T>;
+  using value_type = T;
+  static constexpr qwen3::Window window{};
+  static constexpr std::size_t slack = 0;
+  static Cache make(std::size_t capacity) {
+    const qwen3::Config& c = tiny_model().config();
+    return Cache({.layers = c.layers, .kv_heads = c.kv_heads, .head_dim = c.head_dim, .capacity = capacity});
+  }
+  static std::string name() {
+    return std::string(std::is_same_v<Cache, kvcache::KvCache<T>> ? "KvCache<" : "ConcatKvCache<") + type_name<T>() +
+           ">";
+  }
+};
+
+template <class T, std::size_t Window, std::size_t Sinks, std::size_t Slack>
+struct Ring {
+  using Cache = kvcache::RingKvCache<T>;
+  using value_type = T;
+  static constexpr qwen3::Window window{Window, Sinks};
+  static constexpr std::size_t slack = Slack;
+  static Cache make(std::size_t) {
+    const qwen3::Config& c = tiny_model().config();
+    return Cache({.layers = c.layers,
+                  .kv_heads = c.kv_heads,
+                  .head_dim = c.head_dim,
+                  .window = Window,
+                  .sinks = Sinks,
+                  .slack = Slack});
+  }
+  static std::string name() {
+    return "RingKvCache<" + std::string(type_name<T>()) + "> window " + std::to_string(Window) + " sinks " +
+           std::to_string(Sinks) + " slack " + std::to_string(Slack);
+  }
+};
+
+template <class T>
+using KvCase = Dense<kvcache::KvCache, T>;
+template <class T>
+using ConcatCase = Dense<kvcache::ConcatKvCache, T>;
+
+struct CaseName {
+  template <class Case>
+  static std::string GetName(int) {
+    std::string n = Case::name();
+    std::replace_if(
+        n.begin(), n.end(), [](char c) { return !std::isalnum(static_cast<unsigned char>(c)); }, '_');
+    return n;
+  }
+};
+
+// A window of 7 over 48 tokens is several windows long; chunks of 9 to 20 tokens are longer
+// than it, so a chunk after the wrap needs keys the ring had to stage rather than overwrite.
+using Cases =
+    ::testing::Types<KvCase<float>, ConcatCase<float>, Ring<float, 7, 0, 0>, Ring<float, 7, 3, 2>, Ring<float, 1, 2, 0>,
+                     Ring<float, 64, 0, 0>, KvCase<double>, ConcatCase<double>, Ring<double, 7, 2, 1>,
+                     KvCase<Eigen::half>, ConcatCase<Eigen::half>, Ring<Eigen::half, 7, 2, 1>, KvCase<Eigen::bfloat16>,
+                     ConcatCase<Eigen::bfloat16>, Ring<Eigen::bfloat16, 7, 2, 1>>;
+
+template <class Case>
+class Equivalence : public ::testing::Test {};
+TYPED_TEST_SUITE(Equivalence, Cases, CaseName);
+
+/// Chunk sizes, then single tokens to the end of the sequence.
+struct Schedule {
+  const char* what;
+  std::vector<std::size_t> chunks;
+};
+
+const std::vector<Schedule>& schedules() {
+  static const std::vector<Schedule> all = {
+      {"prefix 9, chunk 13, singles", {9, 13}},
+      {"prefix 1, chunk 20, singles", {1, 20}},
+      {"prefix 30, chunk 2, singles", {30, 2}},
+      {"prefix 3, singles, chunk 11 after the wrap, chunk 16, singles", {3, 1, 1, 1, 11, 1, 16}},
+  };
+  return all;
+}
+
+TYPED_TEST(Equivalence, CachedLogitsEqualUncachedAtEveryPosition) {
+  using Case = TypeParam;
+  using T = typename Case::value_type;
+  qwen3::Model& model = tiny_model();
+  const std::vector<TokenId> tokens = fixed_tokens(sequence_length, 7);
+  // Same mask, no cache, K and V exact in float: the reference every variant must reproduce.
+  const Matrix reference = model.forward_uncached(tokens, Case::window);
+  // Same mask and the same rounding of K and V to T: isolates the cache from the element type.
+  const Matrix rounded = model.forward_uncached<T>(tokens, Case::window);
+
+  double worst = 0.0;
+  double worst_rounded = 0.0;
+  for (const Schedule& schedule : schedules()) {
+    auto cache = Case::make(sequence_length);
+    std::size_t position = 0;
+    std::size_t step = 0;
+    while (position < sequence_length) {
+      const std::size_t count =
+          std::min(step < schedule.chunks.size() ? schedule.chunks[step] : 1, sequence_length - position);
+      const Matrix logits = model.forward(slice(tokens, position, count), cache);
+      ASSERT_EQ(cache.length(), position + count);
+      const auto ref = reference.middleRows(static_cast<Eigen::Index>(position), static_cast<Eigen::Index>(count));
+      const double err = max_abs_diff(logits, ref);
+      EXPECT_LE(err, tolerance<T>()) << Case::name() << ", " << schedule.what << ": positions " << position << ".."
+                                     << position + count - 1;
+      worst = std::max(worst, err);
+      worst_rounded =
+          std::max(worst_rounded, max_abs_diff(logits, rounded.middleRows(static_cast<Eigen::Index>(position),
+                                                                          static_cast<Eigen::Index>(count))));
+      position += count;
+      ++step;
+    }
+  }
+  EXPECT_LE(worst_rounded, rounded_tolerance<T>()) << Case::name();
+  std::printf("[ max |dlogit| ] %-48s vs uncached float %.3g, vs uncached %s-rounded %.3g\n", Case::name().c_str(),
+              worst, type_name<T>(), worst_rounded);
+}
+
+// ---- the comparison can fail ---------------------------------------------------------------
+
+TEST(EquivalenceIsMeaningful, LogitsAreSpreadAndWindowChangesThem) {
+  qwen3::Model& model = tiny_model();
+  const std::vector<TokenId> tokens = fixed_tokens(sequence_length, 7);
+  const Matrix full = model.forward_uncached(tokens);
+  const Matrix windowed = model.forward_uncached(tokens, {.size = 7});
+  // Logits spread over units, so a 1e-5 bound is ~1e-6 relative: a real bound, not slack.
+  const Eigen::ArrayXf row = full.row(20).transpose().array();
+  EXPECT_GT(std::sqrt((row - row.mean()).square().mean()), 0.3f);
+  // A query before the window's edge sees the same keys either way; after it, fewer.
+  EXPECT_LE(max_abs_diff(full.topRows(7), windowed.topRows(7)), 1e-5);
+  for (Eigen::Index p = 8; p < full.rows(); ++p) {
+    EXPECT_GT(max_abs_diff(full.row(p), windowed.row(p)), 1e-2) << "position " << p;
+  }
+  const Matrix with_sinks = model.forward_uncached(tokens, {.size = 7, .sinks = 2});
+  for (Eigen::Index p = 8; p < full.rows(); ++p) {
+    EXPECT_GT(max_abs_diff(with_sinks.row(p), windowed.row(p)), 1e-3) << "position " << p;
+  }
+}
+
+TEST(EquivalenceIsMeaningful, EarlierTokensReachLaterPositionsOnlyThroughTheWindow) {
+  qwen3::Model& model = tiny_model();
+  std::vector<TokenId> tokens = fixed_tokens(sequence_length, 7);
+  std::vector<TokenId> changed = tokens;
+  changed[0] = static_cast<TokenId>((changed[0] + 1) % 256);
+  // Full attention: token 0 reaches every position.
+  const Matrix a = model.forward_uncached(tokens);
+  const Matrix b = model.forward_uncached(changed);
+  for (Eigen::Index p = 0; p < a.rows(); ++p) EXPECT_GT(max_abs_diff(a.row(p), b.row(p)), 1e-4) << "position " << p;
+  // Window w: each layer carries information w - 1 positions further, so with L layers
+  // position p depends on no token before p - L (w - 1).
+  const std::size_t w = 4;
+  const auto reach = static_cast<Eigen::Index>(tiny_model().config().layers * (w - 1));
+  const Matrix wa = model.forward_uncached(tokens, {.size = w});
+  const Matrix wb = model.forward_uncached(changed, {.size = w});
+  for (Eigen::Index p = 0; p < a.rows(); ++p) {
+    if (p <= reach) {
+      EXPECT_GT(max_abs_diff(wa.row(p), wb.row(p)), 1e-4) << "position " << p;
+    } else {
+      EXPECT_LE(max_abs_diff(wa.row(p), wb.row(p)), 1e-5) << "position " << p;
+    }
+  }
+}
+
+// ---- an independent, loop-by-loop reference of the forward pass ----------------------------
+
+/// The model written out as plainly as possible, in double: embedding, per layer RMSNorm, q/k/v
+/// projections, per-head RMSNorm on q and k, rotate-half rotary embedding, grouped-query causal
+/// attention, o projection, residual, RMSNorm, SwiGLU MLP, residual; final norm; tied logits.
+Matrix naive_forward(const qwen3::Weights& w, const std::vector<TokenId>& tokens) {
+  const qwen3::Config& c = w.config;
+  const std::size_t n = tokens.size();
+  const std::size_t dim = c.head_dim;
+  using Rows = std::vector<std::vector<double>>;
+  const auto linear = [](const Rows& x, const Matrix& m) {  // x [n, in], m [out, in]
+    Rows y(x.size(), std::vector<double>(static_cast<std::size_t>(m.rows())));
+    for (std::size_t t = 0; t < x.size(); ++t) {
+      for (Eigen::Index o = 0; o < m.rows(); ++o) {
+        double s = 0;
+        for (Eigen::Index i = 0; i < m.cols(); ++i) s += x[t][static_cast<std::size_t>(i)] * m(o, i);
+        y[t][static_cast<std::size_t>(o)] = s;
+      }
+    }
+    return y;
+  };
+  const auto rms = [&](std::vector<double> v, std::size_t from, std::size_t count, const qwen3::Vector& weight) {
+    double ss = 0;
+    for (std::size_t i = 0; i < count; ++i) ss += v[from + i] * v[from + i];
+    const double inv = 1.0 / std::sqrt(ss / static_cast<double>(count) + static_cast<double>(c.rms_eps));
+    for (std::size_t i = 0; i < count; ++i) v[from + i] *= inv * weight[static_cast<Eigen::Index>(i)];
+    return v;
+  };
+  const auto rotate = [&](std::vector<double>& v, std::size_t from, std::size_t position) {
+    std::vector<double> out(dim);
+    for (std::size_t i = 0; i < dim; ++i) {
+      const std::size_t k = i % (dim / 2);
+      const double angle = static_cast<double>(position) *
+                           std::pow(c.rope_theta, -2.0 * static_cast<double>(k) / static_cast<double>(dim));
+      const double rotated = i < dim / 2 ? -v[from + i + dim / 2] : v[from + i - dim / 2];  // rotate_half
+      out[i] = v[from + i] * std::cos(angle) + rotated * std::sin(angle);
+    }
+    std::copy(out.begin(), out.end(), v.begin() + static_cast<std::ptrdiff_t>(from));
+  };
+  Rows x(n, std::vector<double>(c.hidden));
+  for (std::size_t t = 0; t < n; ++t) {
+    for (std::size_t i = 0; i < c.hidden; ++i) x[t][i] = w.embed(tokens[t], static_cast<Eigen::Index>(i));
+  }
+  for (const qwen3::LayerWeights& lw : w.layers) {
+    Rows h(n);
+    for (std::size_t t = 0; t < n; ++t) h[t] = rms(x[t], 0, c.hidden, lw.input_norm);
+    Rows q = linear(h, lw.q_proj), k = linear(h, lw.k_proj), v = linear(h, lw.v_proj);
+    for (std::size_t t = 0; t < n; ++t) {
+      for (std::size_t head = 0; head < c.q_heads; ++head) {
+        q[t] = rms(q[t], head * dim, dim, lw.q_norm);
+        rotate(q[t], head * dim, t);
+      }
+      for (std::size_t head = 0; head < c.kv_heads; ++head) {
+        k[t] = rms(k[t], head * dim, dim, lw.k_norm);
+        rotate(k[t], head * dim, t);
+      }
+    }
+    Rows attn(n, std::vector<double>(c.q_width()));
+    for (std::size_t head = 0; head < c.q_heads; ++head) {
+      const std::size_t kv = head / (c.q_heads / c.kv_heads);
+      for (std::size_t t = 0; t < n; ++t) {
+        std::vector<double> scores(t + 1);
+        for (std::size_t j = 0; j <= t; ++j) {
+          double s = 0;
+          for (std::size_t d = 0; d < dim; ++d) s += q[t][head * dim + d] * k[j][kv * dim + d];
+          scores[j] = s / std::sqrt(static_cast<double>(dim));
+        }
+        const double top = *std::max_element(scores.begin(), scores.end());
+        double sum = 0;
+        for (double& s : scores) sum += (s = std::exp(s - top));
+        for (std::size_t j = 0; j <= t; ++j) {
+          for (std::size_t d = 0; d < dim; ++d) attn[t][head * dim + d] += scores[j] / sum * v[j][kv * dim + d];
+        }
+      }
+    }
+    const Rows o = linear(attn, lw.o_proj);
+    for (std::size_t t = 0; t < n; ++t) {
+      for (std::size_t i = 0; i < c.hidden; ++i) x[t][i] += o[t][i];
+    }
+    for (std::size_t t = 0; t < n; ++t) h[t] = rms(x[t], 0, c.hidden, lw.post_norm);
+    Rows gate = linear(h, lw.gate_proj);
+    const Rows up = linear(h, lw.up_proj);
+    for (std::size_t t = 0; t < n; ++t) {
+      for (std::size_t i = 0; i < c.mlp; ++i) gate[t][i] = gate[t][i] / (1.0 + std::exp(-gate[t][i])) * up[t][i];
+    }
+    const Rows down = linear(gate, lw.down_proj);
+    for (std::size_t t = 0; t < n; ++t) {
+      for (std::size_t i = 0; i < c.hidden; ++i) x[t][i] += down[t][i];
+    }
+  }
+  Rows h(n);
+  for (std::size_t t = 0; t < n; ++t) h[t] = rms(x[t], 0, c.hidden, w.final_norm);
+  const Rows logits = linear(h, c.tied ? w.embed : w.lm_head);
+  Matrix out(static_cast<Eigen::Index>(n), static_cast<Eigen::Index>(c.vocab));
+  for (std::size_t t = 0; t < n; ++t) {
+    for (std::size_t i = 0; i < c.vocab; ++i) {
+      out(static_cast<Eigen::Index>(t), static_cast<Eigen::Index>(i)) = static_cast<float>(logits[t][i]);
+    }
+  }
+  return out;
+}
+
+TEST(Reference, ModelMatchesANaiveDoublePrecisionForwardPass) {
+  const std::vector<TokenId> tokens = fixed_tokens(12, 3);
+  EXPECT_LE(max_abs_diff(tiny_model().forward_uncached(tokens), naive_forward(tiny_model().weights(), tokens)), 1e-4);
+  // An untied model reads lm_head, not the embedding.
+  qwen3::Config untied;
+  untied.tied = false;
+  untied.layers = 2;
+  qwen3::Model model(qwen3::random_weights(untied, 11));
+  EXPECT_LE(max_abs_diff(model.forward_uncached(tokens), naive_forward(model.weights(), tokens)), 1e-4);
+}
+
+TEST(Reference, LastOnlyLogitsAreTheLastRow) {
+  const std::vector<TokenId> tokens = fixed_tokens(10, 5);
+  const Matrix all = tiny_model().forward_uncached(tokens);
+  const Matrix last = tiny_model().forward_uncached(tokens, {}, qwen3::Logits::last);
+  ASSERT_EQ(last.rows(), 1);
+  // Within float rounding, not bit for bit: attention may tile one query differently from many.
+  EXPECT_LE(max_abs_diff(last, all.bottomRows(1)), 1e-5);
+}
+
+// ---- rollback: truncate back k tokens and re-feed -------------------------------------------
+
+using RollbackCases = ::testing::Types<KvCase<float>, ConcatCase<float>, Ring<float, 7, 0, 3>, Ring<float, 7, 2, 3>>;
+
+template <class Case>
+class Rollback : public ::testing::Test {};
+TYPED_TEST_SUITE(Rollback, RollbackCases, CaseName);
+
+TYPED_TEST(Rollback, TruncateAndRefeedGivesTheLogitsOfNeverHavingGoneForward) {
+  using Case = TypeParam;
+  qwen3::Model& model = tiny_model();
+  const std::vector<TokenId> tokens = fixed_tokens(sequence_length, 9);
+  const Matrix reference = model.forward_uncached(tokens, Case::window);
+  // Drafts of up to slack + 1 tokens can be taken back from a ring: its slack keeps the window
+  // before the rollback point. Dense caches keep everything, so they take back any count.
+  const std::size_t k = Case::slack + 1 + (Case::window.size == 0 ? 3 : 0);
+  for (const bool drafts_as_one_chunk : {false, true}) {
+    auto cache = Case::make(sequence_length + k);
+    auto straight = Case::make(sequence_length + k);
+    (void)model.forward(slice(tokens, 0, 5), cache);
+    (void)model.forward(slice(tokens, 0, 5), straight);
+    for (std::size_t position = 5; position < sequence_length; ++position) {
+      // Every 6th step (well after the ring wrapped), speculate k wrong tokens, then reject them.
+      if (position % 6 == 0) {
+        const std::vector<TokenId> drafts = fixed_tokens(k, position);
+        if (drafts_as_one_chunk) {
+          (void)model.forward(drafts, cache);
+        } else {
+          for (std::size_t i = 0; i < k; ++i) (void)model.forward(slice(drafts, i, 1), cache);
+        }
+        ASSERT_EQ(cache.length(), position + k);
+        cache.truncate(position);
+        ASSERT_EQ(cache.length(), position);
+      }
+      const Matrix got = model.forward(slice(tokens, position, 1), cache);
+      const Matrix never = model.forward(slice(tokens, position, 1), straight);
+      // A rolled-back ring may hold the same keys in other slots, so attention may sum them in
+      // another order: equal within float rounding, not bit for bit.
+      EXPECT_LE(max_abs_diff(got, never), 1e-5) << Case::name() << ", position " << position;
+      EXPECT_LE(max_abs_diff(got, reference.row(static_cast<Eigen::Index>(position))), 1e-5)
+          << Case::name() << ", position " << position;
+    }
+  }
+}
+
+TEST(Rollback, RingRefusesToTruncatePastItsSlackAndStaysUsable) {
+  using Case = Ring<float, 7, 0, 2>;
+  qwen3::Model& model = tiny_model();
+  const std::vector<TokenId> tokens = fixed_tokens(30, 4);
+  const Matrix reference = model.forward_uncached(tokens, Case::window);
+  auto cache = Case::make(0);
+  for (std::size_t p = 0; p < 25; ++p) (void)model.forward(slice(tokens, p, 1), cache);
+  EXPECT_THROW(cache.truncate(25 - (Case::slack + 2)), std::out_of_range);
+  EXPECT_EQ(cache.length(), 25U);
+  cache.truncate(25 - (Case::slack + 1));
+  for (std::size_t p = 25 - (Case::slack + 1); p < 30; ++p) {
+    EXPECT_LE(max_abs_diff(model.forward(slice(tokens, p, 1), cache), reference.row(static_cast<Eigen::Index>(p))),
+              1e-5);
+  }
+}
+
+// ---- failed calls leave the cache as it was -------------------------------------------------
+
+TEST(ForwardErrors, BadTokenOrFullCacheLeavesTheCacheUnchanged) {
+  qwen3::Model& model = tiny_model();
+  const std::vector<TokenId> tokens = fixed_tokens(10, 2);
+  auto cache = KvCase<float>::make(8);
+  (void)model.forward(slice(tokens, 0, 6), cache);
+  const std::vector<TokenId> bad = {1, 2, 256};
+  EXPECT_THROW((void)model.forward(bad, cache), std::out_of_range);
+  EXPECT_EQ(cache.length(), 6U);
+  EXPECT_THROW((void)model.forward(slice(tokens, 6, 3), cache), std::length_error);
+  EXPECT_EQ(cache.length(), 6U);
+  const Matrix reference = model.forward_uncached(slice(tokens, 0, 8));
+  EXPECT_LE(max_abs_diff(model.forward(slice(tokens, 6, 2), cache), reference.bottomRows(2)), 1e-5);
+}
+
+}  // namespace
