@@ -140,7 +140,8 @@ class AttentionKernel {
       const std::size_t lo = std::max(item.key_begin, offsets_[s]);
       const std::size_t hi = std::min(item.key_end, offsets_[s + 1]);
       for (std::size_t j = lo; j < hi; j += tile_) {
-        run_tile(item, segments_[s], j - offsets_[s], std::min(tile_, hi - j), w);
+        const std::size_t count = std::min(tile_, hi - j);
+        run_tile(item, segments_[s], j - offsets_[s], count, std::min(tile_, hi - j - count), w);
       }
     }
     if (partials != nullptr) {
@@ -220,8 +221,16 @@ class AttentionKernel {
     }
   }
 
+  /// Asks for keys [first, first + count) of `view` ahead of use, so that memory streams while
+  /// the current tile is computed instead of between tiles.
+  void prefetch_rows(const TensorView<const T>& view, const AttentionItem& item, std::size_t first,
+                     std::size_t count) const noexcept {
+    for (std::size_t j = 0; j < count; ++j) prefetch(view.row(item.batch, item.kv_head, first + j), dim_ * sizeof(T));
+  }
+
+  /// One tile of keys [first, first + count) of a segment; `ahead` keys follow it in the same item.
   void run_tile(const AttentionItem& item, const Segment<T>& segment, std::size_t first, std::size_t count,
-                Workspace& w) const noexcept {
+                std::size_t ahead, Workspace& w) const noexcept {
     using Cover = VisibilityRule::Cover;
     const std::span<const std::int64_t> positions = segment.positions.subspan(first, count);
     const auto [low, high] = std::minmax_element(positions.begin(), positions.end());
@@ -232,6 +241,7 @@ class AttentionKernel {
     }
     if (!any) return;  // a tile no query may read is never loaded
 
+    prefetch_rows(segment.keys, item, first + count, ahead);
     const auto [keys, key_stride] = tile_rows(segment.keys, item, first, count, w.keys);
     bool active_rows = false;
     for (std::size_t t = 0; t < item.queries; ++t) {
@@ -258,6 +268,7 @@ class AttentionKernel {
     }
     if (!active_rows) return;
 
+    prefetch_rows(segment.values, item, first + count, ahead);
     const auto [values, value_stride] = tile_rows(segment.values, item, first, count, w.values);
     for (std::size_t t = 0; t < item.queries; ++t) {
       if (w.covers[t] == Cover::kNone) continue;
@@ -272,8 +283,7 @@ class AttentionKernel {
   /// running sum and accumulator when the max grows. Returns false when no key of the tile is
   /// visible to the row.
   bool update_softmax(Acc* scores, std::size_t count, Acc& max, Acc& sum, Acc* acc) const noexcept {
-    Acc tile_max = -std::numeric_limits<Acc>::infinity();
-    for (std::size_t j = 0; j < count; ++j) tile_max = std::max(tile_max, scores[j]);
+    const Acc tile_max = max_of(scores, count);
     if (tile_max == -std::numeric_limits<Acc>::infinity()) return false;
     if (tile_max > max) {
       const Acc correction = exp_nonpositive(max - tile_max);  // 0 when max was -inf
@@ -283,9 +293,7 @@ class AttentionKernel {
     }
     const Acc running = max;
     for (std::size_t j = 0; j < count; ++j) scores[j] = exp_nonpositive(scores[j] - running);
-    Acc tile_sum = 0;
-    for (std::size_t j = 0; j < count; ++j) tile_sum += scores[j];
-    sum += tile_sum;
+    sum += sum_of(scores, count);
     return true;
   }
 

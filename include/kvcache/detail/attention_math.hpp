@@ -10,15 +10,42 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include <Eigen/Core>
 
 namespace kvcache::detail {
 
-/// Lanes per accumulator: one cache line of Acc, so one or a few vector registers whatever the ISA.
+// The vector register width this translation unit is compiled for (the library is header-only,
+// so this is the user's -m flags): accumulators span as many registers as keep the multiply-add
+// units busy, without spilling, at every width.
+#if defined(__AVX512F__)
+inline constexpr std::size_t kVectorBytes = 64;
+#elif defined(__AVX__)
+inline constexpr std::size_t kVectorBytes = 32;
+#else
+inline constexpr std::size_t kVectorBytes = 16;
+#endif
+
+/// Acc values per vector register.
 template <class Acc>
-inline constexpr std::size_t kLanes = 64 / sizeof(Acc);
+inline constexpr std::size_t kVector = kVectorBytes / sizeof(Acc);
+
+/// Lanes per dot-product accumulator: two registers, so four keys at once make eight chains.
+template <class Acc>
+inline constexpr std::size_t kLanes = 2 * kVector<Acc>;
+
+/// Hints that `bytes` from `p` will be read soon (a tile ahead of the one being computed).
+inline void prefetch(const void* p, std::size_t bytes) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* c = static_cast<const char*>(p);
+  for (std::size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 3);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 
 /// Converts n stored values to the accumulation type.
 template <class Acc, class T>
@@ -38,13 +65,47 @@ inline void convert_row(const T* __restrict src, Acc* __restrict dst, std::size_
   }
 }
 
-/// Sums the lanes pairwise (a fixed order, so results never depend on the thread count).
+/// Sums the lanes by halves (a fixed order, so results never depend on the thread count); each
+/// step is a fixed-size loop a compiler turns into whole-register adds.
 template <class Acc, std::size_t L>
-inline Acc reduce_lanes(Acc (&lanes)[L]) noexcept {
-  for (std::size_t width = L / 2; width >= 1; width /= 2) {
-    for (std::size_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+inline Acc reduce_lanes(const Acc (&lanes)[L]) noexcept {
+  if constexpr (L == 1) {
+    return lanes[0];
+  } else {
+    static_assert(L % 2 == 0, "reduce_lanes halves its lanes: L must be a power of two.");
+    Acc half[L / 2];
+    for (std::size_t l = 0; l < L / 2; ++l) half[l] = lanes[l] + lanes[l + L / 2];
+    return reduce_lanes(half);
   }
-  return lanes[0];
+}
+
+/// The largest of n values (-inf for none), over independent lanes so the compares pipeline.
+template <class Acc>
+inline Acc max_of(const Acc* x, std::size_t n) noexcept {
+  constexpr std::size_t L = kVector<Acc>;
+  Acc lanes[L];
+  for (std::size_t l = 0; l < L; ++l) lanes[l] = -std::numeric_limits<Acc>::infinity();
+  std::size_t i = 0;
+  for (; i + L <= n; i += L) {
+    for (std::size_t l = 0; l < L; ++l) lanes[l] = lanes[l] > x[i + l] ? lanes[l] : x[i + l];
+  }
+  for (std::size_t l = 0; i < n; ++i, ++l) lanes[l] = lanes[l] > x[i] ? lanes[l] : x[i];
+  Acc m = lanes[0];
+  for (std::size_t l = 1; l < L; ++l) m = m > lanes[l] ? m : lanes[l];
+  return m;
+}
+
+/// The sum of n values, over independent lanes.
+template <class Acc>
+inline Acc sum_of(const Acc* x, std::size_t n) noexcept {
+  constexpr std::size_t L = kVector<Acc>;
+  Acc lanes[L] = {};
+  std::size_t i = 0;
+  for (; i + L <= n; i += L) {
+    for (std::size_t l = 0; l < L; ++l) lanes[l] += x[i + l];
+  }
+  for (std::size_t l = 0; i < n; ++i, ++l) lanes[l] += x[i];
+  return reduce_lanes(lanes);
 }
 
 /// out[i] = q . k_i for four key rows: q is loaded once for all four, and the four sets of lane
@@ -92,22 +153,49 @@ inline Acc dot(const Acc* __restrict q, const Acc* __restrict k, std::size_t n) 
   return reduce_lanes(a);
 }
 
-/// acc[0, n) += sum_j w[j] * rows[j][0, n) over `count` rows `stride` apart. acc is held in
-/// registers a chunk at a time while every row streams past, instead of being reloaded per row.
+/// acc[d, d + L) += sum_j w[j] * rows[j][d, d + L): L lanes held in registers while every row
+/// streams past, two rows at a time into separate lanes so that consecutive multiply-adds do
+/// not wait on each other.
+template <std::size_t L, class Acc>
+inline void accumulate_chunk(Acc* __restrict acc, const Acc* __restrict w, const Acc* rows, std::size_t stride,
+                             std::size_t count) noexcept {
+  Acc even[L];
+  Acc odd[L] = {};
+  for (std::size_t l = 0; l < L; ++l) even[l] = acc[l];
+  std::size_t j = 0;
+  for (; j + 2 <= count; j += 2) {
+    const Acc w0 = w[j];
+    const Acc w1 = w[j + 1];
+    const Acc* v0 = rows + j * stride;
+    const Acc* v1 = v0 + stride;
+    for (std::size_t l = 0; l < L; ++l) {
+      even[l] += w0 * v0[l];
+      odd[l] += w1 * v1[l];
+    }
+  }
+  if (j < count) {
+    const Acc wj = w[j];
+    const Acc* v = rows + j * stride;
+    for (std::size_t l = 0; l < L; ++l) even[l] += wj * v[l];
+  }
+  for (std::size_t l = 0; l < L; ++l) acc[l] = even[l] + odd[l];
+}
+
+/// acc[0, n) += sum_j w[j] * rows[j][0, n) over `count` rows `stride` apart, in the widest
+/// chunks that fit: the accumulator stays in registers instead of being reloaded per row.
 template <class Acc>
 inline void accumulate_rows(Acc* __restrict acc, const Acc* __restrict w, const Acc* rows, std::size_t stride,
                             std::size_t count, std::size_t n) noexcept {
-  constexpr std::size_t L = 2 * kLanes<Acc>;
+  constexpr std::size_t V = kVector<Acc>;
   std::size_t d = 0;
-  for (; d + L <= n; d += L) {
-    Acc lanes[L];
-    for (std::size_t l = 0; l < L; ++l) lanes[l] = acc[d + l];
-    for (std::size_t j = 0; j < count; ++j) {
-      const Acc wj = w[j];
-      const Acc* v = rows + j * stride + d;
-      for (std::size_t l = 0; l < L; ++l) lanes[l] += wj * v[l];
-    }
-    for (std::size_t l = 0; l < L; ++l) acc[d + l] = lanes[l];
+  for (; d + 4 * V <= n; d += 4 * V) accumulate_chunk<4 * V>(acc + d, w, rows + d, stride, count);
+  if (d + 2 * V <= n) {
+    accumulate_chunk<2 * V>(acc + d, w, rows + d, stride, count);
+    d += 2 * V;
+  }
+  if (d + V <= n) {
+    accumulate_chunk<V>(acc + d, w, rows + d, stride, count);
+    d += V;
   }
   for (; d < n; ++d) {
     Acc sum = acc[d];
@@ -116,13 +204,19 @@ inline void accumulate_rows(Acc* __restrict acc, const Acc* __restrict w, const 
   }
 }
 
-/// e^x for x <= 0, with e^x = 0 below -87 (and for -inf, a masked score). Within 2 ulp in
-/// float; branch-free so that a loop over a tile of scores vectorizes.
+/// e^x for x <= 0, with e^x = 0 below -87 (and for -inf, a masked score). Within 1 ulp in
+/// float; no branch, call or float-to-int conversion, so that a loop over a tile of scores
+/// vectorizes.
 inline float exp_nonpositive(float x) noexcept {
-  const float xc = x >= -87.0F ? x : -87.0F;  // also maps NaN and -inf to a safe argument
-  // x = i ln2 + f with |f| <= ln2 / 2: round x / ln2 to the nearest integer (it is <= 0).
-  const int i = static_cast<int>(xc * 1.44269504088896341F - 0.5F);
-  const auto r = static_cast<float>(i);
+#if defined(__FAST_MATH__)
+  // The rounding trick below is exactly what -ffast-math may rewrite away.
+  return x < -87.0F ? 0.0F : std::exp(x);
+#else
+  const float xc = x < -87.0F ? -87.0F : x;
+  // x = i ln2 + f with |f| <= ln2 / 2: adding 1.5 * 2^23 rounds x / ln2 to the integer i,
+  // which lands in the low bits of the sum's mantissa.
+  const float shifted = xc * 1.44269504088896341F + 12582912.0F;
+  const float r = shifted - 12582912.0F;
   const float f = (xc - r * 0.693359375F) + r * 2.12194440e-4F;
   float p = 1.9875691500e-4F;
   p = p * f + 1.3981999507e-3F;
@@ -131,8 +225,11 @@ inline float exp_nonpositive(float x) noexcept {
   p = p * f + 1.6666665459e-1F;
   p = p * f + 5.0000001201e-1F;
   const float e = p * f * f + f + 1.0F;
-  const float two_i = std::bit_cast<float>(static_cast<std::uint32_t>(i + 127) << 23);  // i in [-126, 0]
-  return x >= -87.0F ? e * two_i : 0.0F;
+  // 2^i from the sum's bits: (i + 127) << 23, i in [-126, 0].
+  const float two_i = std::bit_cast<float>((std::bit_cast<std::uint32_t>(shifted) + (127U - 0x400000U)) << 23);
+  const float keep = x < -87.0F ? 0.0F : 1.0F;
+  return e * two_i * keep;
+#endif
 }
 
 inline double exp_nonpositive(double x) noexcept { return x == -HUGE_VAL ? 0.0 : std::exp(x); }
