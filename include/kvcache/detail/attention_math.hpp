@@ -128,16 +128,21 @@ inline void dot4(const Acc* __restrict q, const Acc* k0, const Acc* k1, const Ac
       a3[l] += x * k3[d + l];
     }
   }
-  for (std::size_t l = 0; d < n; ++d, ++l) {
-    a0[l] += q[d] * k0[d];
-    a1[l] += q[d] * k1[d];
-    a2[l] += q[d] * k2[d];
-    a3[l] += q[d] * k3[d];
+  // The tail goes to scalars: indexing the lane arrays by a variable would keep them in memory.
+  Acc t0 = 0;
+  Acc t1 = 0;
+  Acc t2 = 0;
+  Acc t3 = 0;
+  for (; d < n; ++d) {
+    t0 += q[d] * k0[d];
+    t1 += q[d] * k1[d];
+    t2 += q[d] * k2[d];
+    t3 += q[d] * k3[d];
   }
-  out[0] = reduce_lanes(a0);
-  out[1] = reduce_lanes(a1);
-  out[2] = reduce_lanes(a2);
-  out[3] = reduce_lanes(a3);
+  out[0] = reduce_lanes(a0) + t0;
+  out[1] = reduce_lanes(a1) + t1;
+  out[2] = reduce_lanes(a2) + t2;
+  out[3] = reduce_lanes(a3) + t3;
 }
 
 /// q . k for one key row.
@@ -149,8 +154,9 @@ inline Acc dot(const Acc* __restrict q, const Acc* __restrict k, std::size_t n) 
   for (; d + L <= n; d += L) {
     for (std::size_t l = 0; l < L; ++l) a[l] += q[d + l] * k[d + l];
   }
-  for (std::size_t l = 0; d < n; ++d, ++l) a[l] += q[d] * k[d];
-  return reduce_lanes(a);
+  Acc tail = 0;
+  for (; d < n; ++d) tail += q[d] * k[d];
+  return reduce_lanes(a) + tail;
 }
 
 /// acc[d, d + L) += sum_j w[j] * rows[j][d, d + L): L lanes held in registers while every row

@@ -1,0 +1,198 @@
+// SPDX-License-Identifier: Apache-2.0
+// Decode attention (T = 1) against the machine's plain read bandwidth over as many bytes.
+//
+// Each Attention row reports `bytes_per_second`: the K and V bytes a decode step must read,
+// per second. Each ReadBandwidth row sums a buffer of the same size with the same thread count;
+// `vs_read` in an Attention row is its bandwidth over the read bandwidth measured right before
+// it over its own K and V, so the ratio stands in one line.
+//
+//   ./attention_bench --benchmark_filter='Attention|Read'
+//   KVCACHE_BENCH_SMOKE=1 ./attention_bench --benchmark_min_time=0.001   # tiny cases only
+
+#include <benchmark/benchmark.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+// GCC 12 reports a false -Wrestrict inside std::string's operator+ when it inlines the
+// shape messages of the checks at -O3 (GCC bug 105651); the code is fine.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wrestrict"
+#endif
+#include "kvcache/kvcache.hpp"
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+#pragma GCC diagnostic pop
+#endif
+
+namespace {
+
+constexpr std::size_t kHeadDim = 128;
+constexpr std::size_t kKvHeads = 8;
+
+bool smoke() {
+  const char* env = std::getenv("KVCACHE_BENCH_SMOKE");
+  return env != nullptr && std::string(env) == "1";
+}
+
+/// Sums `count` floats with independent lane accumulators, so the loop is bound by memory.
+float sum_floats(const float* data, std::size_t count) {
+  constexpr std::size_t kLanes = 32;
+  float lanes[kLanes] = {};
+  std::size_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    for (std::size_t l = 0; l < kLanes; ++l) lanes[l] += data[i + l];
+  }
+  for (std::size_t l = 0; i < count; ++i, ++l) lanes[l] += data[i];
+  return std::accumulate(std::begin(lanes), std::end(lanes), 0.0F);
+}
+
+/// Reads every byte of `buffers` once, split among `threads` threads (the caller's included).
+float read_all(const std::vector<std::pair<const float*, std::size_t>>& buffers, std::size_t threads) {
+  std::vector<float> sums(threads, 0.0F);
+  const auto work = [&](std::size_t worker) {
+    for (const auto& [data, count] : buffers) {
+      const std::size_t begin = count * worker / threads;
+      const std::size_t end = count * (worker + 1) / threads;
+      sums[worker] += sum_floats(data + begin, end - begin);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (std::thread& t : pool) t.join();
+  return std::accumulate(sums.begin(), sums.end(), 0.0F);
+}
+
+/// Best bytes per second of a few full reads of `buffers`.
+double measure_read(const std::vector<std::pair<const float*, std::size_t>>& buffers, std::size_t threads) {
+  std::size_t bytes = 0;
+  for (const auto& b : buffers) bytes += b.second * sizeof(float);
+  double best = 0;
+  for (int pass = 0; pass < 5; ++pass) {
+    const auto start = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(read_all(buffers, threads));
+    const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
+    best = std::max(best, static_cast<double>(bytes) / seconds.count());
+  }
+  return best;
+}
+
+/// K and V for one layer at `tokens` positions, written into a KvCache a chunk at a time.
+template <class T>
+struct DecodeSetup {
+  kvcache::KvCache<T> cache;
+  kvcache::History<T> history;
+  explicit DecodeSetup(std::size_t tokens)
+      : cache({.layers = 1, .kv_heads = kKvHeads, .head_dim = kHeadDim, .capacity = tokens + 1}) {
+    constexpr std::size_t kChunk = 256;
+    std::vector<T> chunk(kKvHeads * kChunk * kHeadDim);
+    for (std::size_t i = 0; i < chunk.size(); ++i) chunk[i] = static_cast<T>(static_cast<float>(i % 97) / 97.0F - 0.5F);
+    for (std::size_t done = 0; done < tokens;) {
+      const std::size_t n = std::min(kChunk, tokens - done);
+      const kvcache::TensorView<const T> kv(chunk.data(), {1, kKvHeads, n, kHeadDim}, {0, kChunk * kHeadDim, kHeadDim});
+      std::vector<std::int64_t> positions(n);
+      std::iota(positions.begin(), positions.end(), static_cast<std::int64_t>(done));
+      history = cache.update(0, kv, kv, positions);
+      done += n;
+    }
+  }
+  [[nodiscard]] std::size_t bytes() const { return 2 * history.tokens() * kKvHeads * kHeadDim * sizeof(T); }
+  /// The K and V storage as floats, for the plain read over the very same memory.
+  [[nodiscard]] std::vector<std::pair<const float*, std::size_t>> buffers() const {
+    std::vector<std::pair<const float*, std::size_t>> out;
+    for (const auto& s : history.segments) {
+      const std::size_t count = s.keys.shape().size() * sizeof(T) / sizeof(float);
+      out.emplace_back(reinterpret_cast<const float*>(s.keys.data()), count);
+      out.emplace_back(reinterpret_cast<const float*>(s.values.data()), count);
+    }
+    return out;
+  }
+};
+
+/// Args: H_q, S, threads.
+template <class T>
+void BM_DecodeAttention(benchmark::State& state) {
+  const auto q_heads = static_cast<std::size_t>(state.range(0));
+  const auto tokens = static_cast<std::size_t>(state.range(1));
+  const auto threads = static_cast<std::size_t>(state.range(2));
+  DecodeSetup<T> setup(tokens);
+  std::vector<float> q(q_heads * kHeadDim);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(i % 13) / 13.0F - 0.5F;
+  std::vector<float> out(q.size());
+  const std::vector<std::int64_t> position{static_cast<std::int64_t>(tokens)};
+  const kvcache::Shape shape{1, q_heads, 1, kHeadDim};
+  const kvcache::AttentionOptions options{.threads = threads};
+  const double read = measure_read(setup.buffers(), threads);
+  for (auto _ : state) {
+    kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), position, setup.history,
+                              kvcache::TensorView<float>(out.data(), shape), options);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const auto bytes = static_cast<double>(setup.bytes()) * static_cast<double>(state.iterations());
+  state.counters["bytes_per_second"] = benchmark::Counter(bytes, benchmark::Counter::kIsRate);
+  state.counters["read_bytes_per_second"] = read;
+  // The ratio from the measured time: bytes per second over the plain read's.
+  state.counters["vs_read"] = benchmark::Counter(bytes / read, benchmark::Counter::kIsRate);  // (bytes / time) / read
+}
+
+/// Plain read of a buffer as large as the K and V of S tokens of `T`. Args: S, threads, sizeof(T).
+void BM_ReadBandwidth(benchmark::State& state) {
+  const auto tokens = static_cast<std::size_t>(state.range(0));
+  const auto threads = static_cast<std::size_t>(state.range(1));
+  const auto element = static_cast<std::size_t>(state.range(2));
+  const std::size_t bytes = 2 * tokens * kKvHeads * kHeadDim * element;
+  std::vector<float> buffer(bytes / sizeof(float));
+  for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<float>(i % 7);
+  const std::vector<std::pair<const float*, std::size_t>> buffers{{buffer.data(), buffer.size()}};
+  for (auto _ : state) benchmark::DoNotOptimize(read_all(buffers, threads));
+  state.counters["bytes_per_second"] = benchmark::Counter(
+      static_cast<double>(bytes) * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+
+void register_all() {
+  const bool tiny = smoke();
+  const std::vector<std::int64_t> heads = tiny ? std::vector<std::int64_t>{8} : std::vector<std::int64_t>{8, 16, 32};
+  const std::vector<std::int64_t> lengths =
+      tiny ? std::vector<std::int64_t>{64} : std::vector<std::int64_t>{512, 4096, 16384, 32768};
+  const std::vector<std::int64_t> thread_counts = tiny ? std::vector<std::int64_t>{1} : std::vector<std::int64_t>{1, 2};
+  const auto add = [](benchmark::internal::Benchmark* b) { b->UseRealTime()->Unit(benchmark::kMicrosecond); };
+  for (std::int64_t s : lengths) {
+    for (std::int64_t t : thread_counts) {
+      for (std::int64_t element : {std::int64_t{4}, std::int64_t{2}}) {
+        add(benchmark::RegisterBenchmark("ReadBandwidth", BM_ReadBandwidth)
+                ->ArgNames({"S", "threads", "bytes"})
+                ->Args({s, t, element}));
+      }
+      for (std::int64_t h : heads) {
+        add(benchmark::RegisterBenchmark("DecodeAttention<float>", BM_DecodeAttention<float>)
+                ->ArgNames({"H_q", "S", "threads"})
+                ->Args({h, s, t}));
+        add(benchmark::RegisterBenchmark("DecodeAttention<bfloat16>", BM_DecodeAttention<Eigen::bfloat16>)
+                ->ArgNames({"H_q", "S", "threads"})
+                ->Args({h, s, t}));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
