@@ -165,7 +165,10 @@ inline std::string read_text(const std::filesystem::path& path) {
     const auto it = where.find(name);
     if (it == where.end()) {
       std::string list;
-      for (const auto& p : paths) list += (list.empty() ? "" : ", ") + p.filename().string();
+      for (const auto& p : paths) {
+        if (!list.empty()) list += ", ";
+        list += p.filename().string();
+      }
       throw safetensors::Error(dir.filename().string() + ": tensor '" + name + "' not found in " + list);
     }
     auto& [f, info] = it->second;

@@ -33,9 +33,9 @@ struct Config {
   }
 
   /// Width of all query heads together (q_heads x head_dim).
-  [[nodiscard]] std::size_t q_width() const noexcept { return q_heads * head_dim; }
+  [[nodiscard]] constexpr std::size_t q_width() const noexcept { return q_heads * head_dim; }
   /// Width of all kv heads together (kv_heads x head_dim).
-  [[nodiscard]] std::size_t kv_width() const noexcept { return kv_heads * head_dim; }
+  [[nodiscard]] constexpr std::size_t kv_width() const noexcept { return kv_heads * head_dim; }
 
   /// Throws std::invalid_argument naming the first field that cannot describe a decoder.
   void validate() const {

@@ -291,7 +291,10 @@ class Model {
 
   static std::string shape_str(const std::vector<std::size_t>& shape) {
     std::string s = "[";
-    for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    for (std::size_t i = 0; i < shape.size(); ++i) {
+      if (i != 0) s += ", ";
+      s += std::to_string(shape[i]);
+    }
     return s + "]";
   }
 

@@ -118,7 +118,10 @@ struct TensorInfo {
 template <class Int>
 [[nodiscard]] std::string shape_str(const std::vector<Int>& shape) {
   std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i != 0) s += ", ";
+    s += std::to_string(shape[i]);
+  }
   return s + "]";
 }
 
@@ -361,7 +364,8 @@ inline void write(const std::filesystem::path& path, const std::vector<TensorToW
     header += "\"__metadata__\":{";
     bool first = true;
     for (const auto& [k, v] : metadata) {
-      header += (first ? "" : ",") + json::quote(k) + ":" + json::quote(v);
+      if (!first) header += ",";
+      header += json::quote(k) + ":" + json::quote(v);
       first = false;
     }
     header += "}";
@@ -378,7 +382,10 @@ inline void write(const std::filesystem::path& path, const std::vector<TensorToW
     const std::uint64_t end = offset + elements * dtype_size(t.dtype);
     comma();
     std::string shape = "[";
-    for (std::size_t i = 0; i < t.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(t.shape[i]);
+    for (std::size_t i = 0; i < t.shape.size(); ++i) {
+      if (i != 0) shape += ",";
+      shape += std::to_string(t.shape[i]);
+    }
     header += json::quote(t.name) + ":{\"dtype\":\"" + dtype_name(t.dtype) + "\",\"shape\":" + shape +
               "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(end) + "]}";
     offset = end;
