@@ -206,18 +206,23 @@ class AttentionKernel {
     }
   }
 
-  /// Rows of `view` for (batch, kv_head) and keys [first, first + count) as Acc: in place when
-  /// T is Acc, else converted into `scratch`. Returns the first row and the row stride.
-  [[nodiscard]] std::pair<const Acc*, std::size_t> tile_rows(const TensorView<const T>& view, const AttentionItem& item,
-                                                             std::size_t first, std::size_t count,
-                                                             std::vector<Acc>& scratch) const noexcept {
-    if constexpr (std::is_same_v<T, Acc>) {
-      return {view.row(item.batch, item.kv_head, first), view.strides().tokens};
-    } else {
+  /// Calls read(rows, stride) with the rows of `view` for (batch, kv_head), keys [first,
+  /// first + count): in place when they convert in registers and at most four query rows read
+  /// them, else converted once into `scratch` for all the rows that share them.
+  template <class Read>
+  void with_rows(const TensorView<const T>& view, const AttentionItem& item, std::size_t first, std::size_t count,
+                 std::size_t readers, std::vector<Acc>& scratch, const Read& read) const noexcept {
+    if constexpr (kConvertsInRegisters<T, Acc>) {
+      if (std::is_same_v<T, Acc> || readers <= 4) {
+        read(view.row(item.batch, item.kv_head, first), view.strides().tokens);
+        return;
+      }
+    }
+    if constexpr (!std::is_same_v<T, Acc>) {
       for (std::size_t j = 0; j < count; ++j) {
         convert_row(view.row(item.batch, item.kv_head, first + j), scratch.data() + j * dim_, dim_);
       }
-      return {scratch.data(), dim_};
+      read(static_cast<const Acc*>(scratch.data()), dim_);
     }
   }
 
@@ -241,42 +246,47 @@ class AttentionKernel {
     }
     if (!any) return;  // a tile no query may read is never loaded
 
+    std::size_t readers = 0;  // query rows that read this tile
+    for (std::size_t t = 0; t < item.queries; ++t) readers += w.covers[t] == Cover::kNone ? 0 : group_;
+
     prefetch_rows(segment.keys, item, first + count, ahead);
-    const auto [keys, key_stride] = tile_rows(segment.keys, item, first, count, w.keys);
     bool active_rows = false;
-    for (std::size_t t = 0; t < item.queries; ++t) {
-      if (w.covers[t] == Cover::kNone) continue;
-      const std::int64_t query = q_positions_[item.first_query + t];
-      for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
-        Acc* scores = w.scores.data() + r * tile_;
-        const Acc* q = w.queries.data() + r * dim_;
-        std::size_t j = 0;
-        for (; j + 4 <= count; j += 4) {
-          const Acc* k = keys + j * key_stride;
-          dot4(q, k, k + key_stride, k + 2 * key_stride, k + 3 * key_stride, dim_, scores + j);
-        }
-        for (; j < count; ++j) scores[j] = dot(q, keys + j * key_stride, dim_);
-        if (w.covers[t] == Cover::kSome) {
-          for (j = 0; j < count; ++j) {
-            if (!rule_.visible(query, positions[j])) scores[j] = -std::numeric_limits<Acc>::infinity();
+    with_rows(segment.keys, item, first, count, readers, w.keys, [&](const auto* keys, std::size_t stride) {
+      for (std::size_t t = 0; t < item.queries; ++t) {
+        if (w.covers[t] == Cover::kNone) continue;
+        const std::int64_t query = q_positions_[item.first_query + t];
+        for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
+          Acc* scores = w.scores.data() + r * tile_;
+          const Acc* q = w.queries.data() + r * dim_;
+          std::size_t j = 0;
+          for (; j + 4 <= count; j += 4) {
+            const auto* k = keys + j * stride;
+            dot4(q, k, k + stride, k + 2 * stride, k + 3 * stride, dim_, scores + j);
           }
+          for (; j < count; ++j) scores[j] = dot(q, keys + j * stride, dim_);
+          if (w.covers[t] == Cover::kSome) {
+            for (j = 0; j < count; ++j) {
+              if (!rule_.visible(query, positions[j])) scores[j] = -std::numeric_limits<Acc>::infinity();
+            }
+          }
+          const bool active = update_softmax(scores, count, w.max[r], w.sum[r], w.acc.data() + r * dim_);
+          w.active[r] = static_cast<char>(active);
+          active_rows = active_rows || active;
         }
-        const bool active = update_softmax(scores, count, w.max[r], w.sum[r], w.acc.data() + r * dim_);
-        w.active[r] = static_cast<char>(active);
-        active_rows = active_rows || active;
       }
-    }
+    });
     if (!active_rows) return;
 
     prefetch_rows(segment.values, item, first + count, ahead);
-    const auto [values, value_stride] = tile_rows(segment.values, item, first, count, w.values);
-    for (std::size_t t = 0; t < item.queries; ++t) {
-      if (w.covers[t] == Cover::kNone) continue;
-      for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
-        if (w.active[r] == 0) continue;
-        accumulate_rows(w.acc.data() + r * dim_, w.scores.data() + r * tile_, values, value_stride, count, dim_);
+    with_rows(segment.values, item, first, count, readers, w.values, [&](const auto* values, std::size_t stride) {
+      for (std::size_t t = 0; t < item.queries; ++t) {
+        if (w.covers[t] == Cover::kNone) continue;
+        for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
+          if (w.active[r] == 0) continue;
+          accumulate_rows(w.acc.data() + r * dim_, w.scores.data() + r * tile_, values, stride, count, dim_);
+        }
       }
-    }
+    });
   }
 
   /// Online softmax: turns a row's scores into weights against its running max, rescaling the

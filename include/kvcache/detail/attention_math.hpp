@@ -65,6 +65,24 @@ inline void convert_row(const T* __restrict src, Acc* __restrict dst, std::size_
   }
 }
 
+/// Whether rows of T can be converted to Acc in registers as they are read (a shift for
+/// bfloat16), so a row read by one query row needs no converted copy.
+template <class T, class Acc>
+inline constexpr bool kConvertsInRegisters = std::is_same_v<T, Acc> ||
+                                             (std::is_same_v<T, Eigen::bfloat16> && std::is_same_v<Acc, float>);
+
+/// p[i] as Acc; for bfloat16 the same shift as convert_row.
+template <class Acc, class T>
+inline Acc load_as(const T* p, std::size_t i) noexcept {
+  if constexpr (std::is_same_v<T, Eigen::bfloat16> && std::is_same_v<Acc, float>) {
+    std::uint16_t bits;
+    std::memcpy(&bits, p + i, sizeof bits);
+    return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
+  } else {
+    return static_cast<Acc>(p[i]);
+  }
+}
+
 /// Sums the lanes by halves (a fixed order, so results never depend on the thread count); each
 /// step is a fixed-size loop a compiler turns into whole-register adds.
 template <class Acc, std::size_t L>
@@ -110,8 +128,8 @@ inline Acc sum_of(const Acc* x, std::size_t n) noexcept {
 
 /// out[i] = q . k_i for four key rows: q is loaded once for all four, and the four sets of lane
 /// accumulators are independent, so the multiply-adds pipeline.
-template <class Acc>
-inline void dot4(const Acc* __restrict q, const Acc* k0, const Acc* k1, const Acc* k2, const Acc* k3, std::size_t n,
+template <class Acc, class K>
+inline void dot4(const Acc* __restrict q, const K* k0, const K* k1, const K* k2, const K* k3, std::size_t n,
                  Acc* __restrict out) noexcept {
   constexpr std::size_t L = kLanes<Acc>;
   Acc a0[L] = {};
@@ -122,10 +140,10 @@ inline void dot4(const Acc* __restrict q, const Acc* k0, const Acc* k1, const Ac
   for (; d + L <= n; d += L) {
     for (std::size_t l = 0; l < L; ++l) {
       const Acc x = q[d + l];
-      a0[l] += x * k0[d + l];
-      a1[l] += x * k1[d + l];
-      a2[l] += x * k2[d + l];
-      a3[l] += x * k3[d + l];
+      a0[l] += x * load_as<Acc>(k0, d + l);
+      a1[l] += x * load_as<Acc>(k1, d + l);
+      a2[l] += x * load_as<Acc>(k2, d + l);
+      a3[l] += x * load_as<Acc>(k3, d + l);
     }
   }
   // The tail goes to scalars: indexing the lane arrays by a variable would keep them in memory.
@@ -134,10 +152,10 @@ inline void dot4(const Acc* __restrict q, const Acc* k0, const Acc* k1, const Ac
   Acc t2 = 0;
   Acc t3 = 0;
   for (; d < n; ++d) {
-    t0 += q[d] * k0[d];
-    t1 += q[d] * k1[d];
-    t2 += q[d] * k2[d];
-    t3 += q[d] * k3[d];
+    t0 += q[d] * load_as<Acc>(k0, d);
+    t1 += q[d] * load_as<Acc>(k1, d);
+    t2 += q[d] * load_as<Acc>(k2, d);
+    t3 += q[d] * load_as<Acc>(k3, d);
   }
   out[0] = reduce_lanes(a0) + t0;
   out[1] = reduce_lanes(a1) + t1;
@@ -146,24 +164,24 @@ inline void dot4(const Acc* __restrict q, const Acc* k0, const Acc* k1, const Ac
 }
 
 /// q . k for one key row.
-template <class Acc>
-inline Acc dot(const Acc* __restrict q, const Acc* __restrict k, std::size_t n) noexcept {
+template <class Acc, class K>
+inline Acc dot(const Acc* __restrict q, const K* __restrict k, std::size_t n) noexcept {
   constexpr std::size_t L = kLanes<Acc>;
   Acc a[L] = {};
   std::size_t d = 0;
   for (; d + L <= n; d += L) {
-    for (std::size_t l = 0; l < L; ++l) a[l] += q[d + l] * k[d + l];
+    for (std::size_t l = 0; l < L; ++l) a[l] += q[d + l] * load_as<Acc>(k, d + l);
   }
   Acc tail = 0;
-  for (; d < n; ++d) tail += q[d] * k[d];
+  for (; d < n; ++d) tail += q[d] * load_as<Acc>(k, d);
   return reduce_lanes(a) + tail;
 }
 
 /// acc[d, d + L) += sum_j w[j] * rows[j][d, d + L): L lanes held in registers while every row
 /// streams past, two rows at a time into separate lanes so that consecutive multiply-adds do
 /// not wait on each other.
-template <std::size_t L, class Acc>
-inline void accumulate_chunk(Acc* __restrict acc, const Acc* __restrict w, const Acc* rows, std::size_t stride,
+template <std::size_t L, class Acc, class V>
+inline void accumulate_chunk(Acc* __restrict acc, const Acc* __restrict w, const V* rows, std::size_t stride,
                              std::size_t count) noexcept {
   Acc even[L];
   Acc odd[L] = {};
@@ -172,40 +190,40 @@ inline void accumulate_chunk(Acc* __restrict acc, const Acc* __restrict w, const
   for (; j + 2 <= count; j += 2) {
     const Acc w0 = w[j];
     const Acc w1 = w[j + 1];
-    const Acc* v0 = rows + j * stride;
-    const Acc* v1 = v0 + stride;
+    const V* v0 = rows + j * stride;
+    const V* v1 = v0 + stride;
     for (std::size_t l = 0; l < L; ++l) {
-      even[l] += w0 * v0[l];
-      odd[l] += w1 * v1[l];
+      even[l] += w0 * load_as<Acc>(v0, l);
+      odd[l] += w1 * load_as<Acc>(v1, l);
     }
   }
   if (j < count) {
     const Acc wj = w[j];
-    const Acc* v = rows + j * stride;
-    for (std::size_t l = 0; l < L; ++l) even[l] += wj * v[l];
+    const V* v = rows + j * stride;
+    for (std::size_t l = 0; l < L; ++l) even[l] += wj * load_as<Acc>(v, l);
   }
   for (std::size_t l = 0; l < L; ++l) acc[l] = even[l] + odd[l];
 }
 
 /// acc[0, n) += sum_j w[j] * rows[j][0, n) over `count` rows `stride` apart, in the widest
 /// chunks that fit: the accumulator stays in registers instead of being reloaded per row.
-template <class Acc>
-inline void accumulate_rows(Acc* __restrict acc, const Acc* __restrict w, const Acc* rows, std::size_t stride,
+template <class Acc, class V>
+inline void accumulate_rows(Acc* __restrict acc, const Acc* __restrict w, const V* rows, std::size_t stride,
                             std::size_t count, std::size_t n) noexcept {
-  constexpr std::size_t V = kVector<Acc>;
+  constexpr std::size_t W = kVector<Acc>;
   std::size_t d = 0;
-  for (; d + 4 * V <= n; d += 4 * V) accumulate_chunk<4 * V>(acc + d, w, rows + d, stride, count);
-  if (d + 2 * V <= n) {
-    accumulate_chunk<2 * V>(acc + d, w, rows + d, stride, count);
-    d += 2 * V;
+  for (; d + 4 * W <= n; d += 4 * W) accumulate_chunk<4 * W>(acc + d, w, rows + d, stride, count);
+  if (d + 2 * W <= n) {
+    accumulate_chunk<2 * W>(acc + d, w, rows + d, stride, count);
+    d += 2 * W;
   }
-  if (d + V <= n) {
-    accumulate_chunk<V>(acc + d, w, rows + d, stride, count);
-    d += V;
+  if (d + W <= n) {
+    accumulate_chunk<W>(acc + d, w, rows + d, stride, count);
+    d += W;
   }
   for (; d < n; ++d) {
     Acc sum = acc[d];
-    for (std::size_t j = 0; j < count; ++j) sum += w[j] * rows[j * stride + d];
+    for (std::size_t j = 0; j < count; ++j) sum += w[j] * load_as<Acc>(rows, j * stride + d);
     acc[d] = sum;
   }
 }
