@@ -333,13 +333,13 @@ def plot_attention(attention, out):
         for name, points in sorted(series.items()):
             points = sorted(p for p in points if p[0] is not None)
             ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], "o-", label=name, alpha=0.85)
-        for name, points in sorted(baseline.items()):
+        for (name, points), style in zip(sorted(baseline.items()), ["--", ":", "-.", (0, (5, 1))] * 4):
             points = sorted(p for p in points if p[0] is not None)
             if len(points) > 1:
-                ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], "k--", linewidth=2,
-                        label=f"{name} (plain read, measured)")
+                ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], color="black", linestyle=style,
+                        linewidth=2, label=f"{name} (plain read, measured)")
             elif points:
-                ax.axhline(points[0][1] / 1e9, color="black", linestyle="--", label=f"{name} (plain read, measured)")
+                ax.axhline(points[0][1] / 1e9, color="black", linestyle=style, label=f"{name} (plain read, measured)")
         xs = sorted({p[0] for pts in series.values() for p in pts if p[0] is not None})
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [f"{x:,}" for x in xs])
