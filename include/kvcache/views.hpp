@@ -15,6 +15,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -35,8 +36,13 @@ struct Shape {
 
   /// "[B, H, T, D]" for error messages.
   [[nodiscard]] std::string str() const {
-    return "[" + std::to_string(batch) + ", " + std::to_string(heads) + ", " + std::to_string(tokens) + ", " +
-           std::to_string(head_dim) + "]";
+    // Built with append: GCC 12 warns (-Wrestrict, falsely) on chained operator+ at -O3.
+    std::string s = "[";
+    for (const std::size_t extent : {batch, heads, tokens, head_dim}) {
+      if (s.size() > 1) s.append(", ");
+      s.append(std::to_string(extent));
+    }
+    return s.append("]");
   }
 };
 
