@@ -179,7 +179,11 @@ TYPED_TEST(Equivalence, CachedLogitsEqualUncachedAtEveryPosition) {
 
   double worst = 0.0;
   double worst_rounded = 0.0;
-  for (const Schedule& schedule : schedules()) {
+  for (std::size_t which = 0; which < schedules().size(); ++which) {
+    // The element types ride on the float cases' coverage of every schedule: two suffice for
+    // them (one with chunks longer than the window after it wrapped), and keep sanitizer runs short.
+    if (!std::is_same_v<T, float> && which % 3 != 0) continue;
+    const Schedule& schedule = schedules()[which];
     auto cache = Case::make(sequence_length);
     std::size_t position = 0;
     std::size_t step = 0;

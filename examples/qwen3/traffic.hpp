@@ -81,7 +81,7 @@ struct StepTraffic {
                 static_cast<double>(parameters(c)) / 1e6);
   out += line;
   std::snprintf(line, sizeof line, "%10s  %14s  %14s  %14s  %9s  %9s\n", "context", "KV cache", "weights", "total",
-                "KV share", "weights");
+                "KV share", "wt share");
   out += line;
   for (const std::size_t context : contexts) {
     const StepTraffic t = decode_step_traffic(c, context, bytes_per_value);
