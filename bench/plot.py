@@ -385,8 +385,9 @@ def table_attention(attention):
                     cells.append(f"{by_length[s] / 1e9:.1f}" + (f" ({ratio:.2f})" if ratio is not None else ""))
                 lines.append(f"| {threads} | {name} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("GB/s of K and V read; in brackets, the benchmark's own `vs_read`: attention's bandwidth over a plain "
-                 "read of the same K and V measured just before it.")
+    lines.append("GB/s of K and V read per second (mean over the benchmark's calls); in brackets, the benchmark's own "
+                 "`vs_read`: its fastest call against the best of five plain reads of the same K and V, measured just "
+                 "before it.")
     return "\n".join(lines)
 
 
