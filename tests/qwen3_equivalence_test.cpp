@@ -109,7 +109,7 @@ struct Ring {
   using value_type = T;
   static constexpr qwen3::Window window{Window, Sinks};
   static constexpr std::size_t slack = Slack;
-  static Cache make(std::size_t) {
+  static Cache make(std::size_t /*capacity: a ring needs none*/) {
     const qwen3::Config& c = tiny_model().config();
     return Cache({.layers = c.layers,
                   .kv_heads = c.kv_heads,
@@ -131,7 +131,7 @@ using ConcatCase = Dense<kvcache::ConcatKvCache, T>;
 
 struct CaseName {
   template <class Case>
-  static std::string GetName(int) {
+  static std::string GetName(int /*index*/) {
     std::string n = Case::name();
     std::replace_if(
         n.begin(), n.end(), [](char c) { return !std::isalnum(static_cast<unsigned char>(c)); }, '_');
@@ -218,7 +218,7 @@ TEST(EquivalenceIsMeaningful, LogitsAreSpreadAndWindowChangesThem) {
   const Matrix windowed = model.forward_uncached(tokens, {.size = 7});
   // Logits spread over units, so a 1e-5 bound is ~1e-6 relative: a real bound, not slack.
   const Eigen::ArrayXf row = full.row(20).transpose().array();
-  EXPECT_GT(std::sqrt((row - row.mean()).square().mean()), 0.3f);
+  EXPECT_GT(std::sqrt((row - row.mean()).square().mean()), 0.3F);
   // A query before the window's edge sees the same keys either way; after it, fewer.
   EXPECT_LE(max_abs_diff(full.topRows(7), windowed.topRows(7)), 1e-5);
   for (Eigen::Index p = 8; p < full.rows(); ++p) {
@@ -300,7 +300,9 @@ Matrix naive_forward(const qwen3::Weights& w, const std::vector<TokenId>& tokens
   for (const qwen3::LayerWeights& lw : w.layers) {
     Rows h(n);
     for (std::size_t t = 0; t < n; ++t) h[t] = rms(x[t], 0, c.hidden, lw.input_norm);
-    Rows q = linear(h, lw.q_proj), k = linear(h, lw.k_proj), v = linear(h, lw.v_proj);
+    Rows q = linear(h, lw.q_proj);
+    Rows k = linear(h, lw.k_proj);
+    const Rows v = linear(h, lw.v_proj);
     for (std::size_t t = 0; t < n; ++t) {
       for (std::size_t head = 0; head < c.q_heads; ++head) {
         q[t] = rms(q[t], head * dim, dim, lw.q_norm);

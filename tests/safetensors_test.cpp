@@ -101,9 +101,9 @@ TEST(Conversions, HalfAndBfloat16MatchEigenForEveryValue) {
   }
   // Rounding: every float pattern in a seeded sample, plus the edges.
   qwen3::SplitMix64 rng(99);
-  std::vector<float> samples = {0.0f,      -0.0f,           65504.0f,       65519.99f,         65520.0f,
-                                1e-8f,     2.98e-8f,        5.96e-8f,       6.1e-5f,           INFINITY,
-                                -INFINITY, 1.0f + 0x1p-11f, 1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-9f};
+  std::vector<float> samples = {0.0F,      -0.0F,           65504.0F,       65519.99F,         65520.0F,
+                                1e-8F,     2.98e-8F,        5.96e-8F,       6.1e-5F,           INFINITY,
+                                -INFINITY, 1.0F + 0x1p-11F, 1.0F + 0x1p-8F, 1.0F + 3 * 0x1p-9F};
   for (int i = 0; i < 200000; ++i) samples.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(rng.next())));
   for (const float f : samples) {
     if (std::isnan(f)) {
@@ -130,9 +130,9 @@ class TempDir : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
 
   /// Writes a safetensors file: the length field (the header's own unless given), the header, the data.
-  fs::path write(const std::string& name, const std::string& header, std::size_t data_bytes,
-                 std::uint64_t length = UINT64_MAX) const {
-    const fs::path path = dir_ / name;
+  [[nodiscard]] fs::path write(const std::string& name, const std::string& header, std::size_t data_bytes,
+                               std::uint64_t length = UINT64_MAX) const {
+    fs::path path = dir_ / name;
     std::ofstream out(path, std::ios::binary);
     const std::uint64_t n = length == UINT64_MAX ? header.size() : length;
     for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
@@ -239,7 +239,7 @@ TEST_F(Malformed, OffsetsOverlapOrLeaveGaps) {
 }
 
 TEST_F(Malformed, ValidFileReadsBackExactly) {
-  const std::vector<float> a = {1.0f, -2.5f, 3.25f, 65504.0f, 1e-7f, 0.1f};
+  const std::vector<float> a = {1.0F, -2.5F, 3.25F, 65504.0F, 1e-7F, 0.1F};
   st::write(dir_ / "ok.safetensors",
             {{"a32", st::Dtype::f32, {2, 3}, a}, {"a16", st::Dtype::f16, {6}, a}, {"ab16", st::Dtype::bf16, {3, 2}, a}},
             {{"format", "pt"}});
@@ -366,7 +366,7 @@ TEST_F(Checkpoint, MissingTensorNamesItAndTheFiles) {
 TEST_F(Checkpoint, WrongShapeDuplicateAndStrayTensorsAreErrors) {
   const qwen3::Weights w = qwen3::random_weights(tiny_config());
   qwen3::save_checkpoint(dir_, w);
-  const std::vector<float> values(128 * 64, 0.5f);
+  const std::vector<float> values(std::size_t{128} * 64, 0.5F);
   const auto expect_error = [&](const std::vector<std::string>& parts) {
     try {
       (void)qwen3::load_checkpoint(dir_);
@@ -416,7 +416,7 @@ TEST(Config, ParsesAQwen3ConfigAndRejectsOthers) {
   EXPECT_EQ(c.kv_heads, want.kv_heads);
   EXPECT_EQ(c.head_dim, want.head_dim);
   EXPECT_EQ(c.mlp, want.mlp);
-  EXPECT_FLOAT_EQ(c.rms_eps, 1e-6f);
+  EXPECT_FLOAT_EQ(c.rms_eps, 1e-6F);
   EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
   EXPECT_TRUE(c.tied);
   // What config_json writes, parse_config reads back.

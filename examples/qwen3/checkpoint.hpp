@@ -87,8 +87,8 @@ namespace detail {
   c.hidden = count("hidden_size");
   c.layers = count("num_hidden_layers");
   c.q_heads = count("num_attention_heads");
-  c.kv_heads = root.find("num_key_value_heads") ? count("num_key_value_heads") : c.q_heads;
-  c.head_dim = root.find("head_dim") ? count("head_dim") : c.hidden / c.q_heads;
+  c.kv_heads = root.find("num_key_value_heads") != nullptr ? count("num_key_value_heads") : c.q_heads;
+  c.head_dim = root.find("head_dim") != nullptr ? count("head_dim") : c.hidden / c.q_heads;
   c.mlp = count("intermediate_size");
   c.rms_eps = static_cast<float>(number("rms_norm_eps", 1e-6));
   // Required: a checkpoint without it would silently get a different rotary base elsewhere.

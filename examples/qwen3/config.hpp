@@ -23,7 +23,7 @@ struct Config {
   std::size_t kv_heads = 2;
   std::size_t head_dim = 32;
   std::size_t mlp = 384;  // intermediate size of the SwiGLU MLP
-  float rms_eps = 1e-6f;
+  float rms_eps = 1e-6F;
   double rope_theta = 1e6;
   bool tied = true;  // logits through the embedding matrix (no separate lm_head)
 
@@ -57,7 +57,7 @@ struct Config {
       throw std::invalid_argument("qwen3::Config.head_dim: expected even (rotary halves), given " +
                                   std::to_string(head_dim));
     }
-    if (!(rms_eps > 0.0f)) throw std::invalid_argument("qwen3::Config.rms_eps: expected > 0");
+    if (!(rms_eps > 0.0F)) throw std::invalid_argument("qwen3::Config.rms_eps: expected > 0");
     if (!(rope_theta > 1.0)) throw std::invalid_argument("qwen3::Config.rope_theta: expected > 1");
   }
 };

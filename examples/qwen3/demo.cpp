@@ -352,8 +352,9 @@ bool run_table(qwen3::Model& model, const std::vector<TokenId>& prompt, const Op
   const std::string window_text = "window " + std::to_string(o.window) + ", " + std::to_string(o.sinks) + " sinks";
 
   std::printf("\nGreedy generation: %zu prompt tokens, %zu new tokens, cache element type %s\n", p, n, t.c_str());
+  // One untimed pass first, so that no row pays for first-touch page faults and cold caches.
+  (void)model.forward_uncached<T>(prompt, {}, qwen3::Logits::last);
   std::vector<Generation> runs;
-  std::vector<std::optional<Comparison>> comparisons;
   std::vector<std::size_t> reference_of;
 
   runs.push_back(generate_uncached<T>(model, prompt, n, {}, true, "uncached" + suffix));

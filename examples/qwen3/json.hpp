@@ -75,7 +75,7 @@ class Value {
 
   /// A non-negative integer, exactly; json::Error for anything else (1.5, -1, 1e3, "1").
   [[nodiscard]] std::uint64_t as_uint() const {
-    const Number& n = get<Number>("a non-negative integer");
+    const auto& n = get<Number>("a non-negative integer");
     if (!n.is_unsigned) throw Error("expected a non-negative integer, given " + describe());
     return n.unsigned_value;
   }
@@ -91,7 +91,7 @@ class Value {
   /// A short rendering for error messages: the kind, and the value when it is a scalar.
   [[nodiscard]] std::string describe() const {
     if (is_number()) {
-      const Number& n = std::get<Number>(v_);
+      const auto& n = std::get<Number>(v_);
       return "the number " + (n.is_unsigned ? std::to_string(n.unsigned_value) : std::to_string(n.value));
     }
     if (is_string()) return "the string \"" + std::get<std::string>(v_) + "\"";

@@ -131,7 +131,7 @@ class SplitMix64 {
   /// Uniform in [-1, 1) with 24 random bits, so every value is exact in float.
   float uniform() noexcept {
     const auto bits = static_cast<std::int32_t>(next() >> 40);  // [0, 2^24)
-    return static_cast<float>(bits - (1 << 23)) * 0x1p-23f;
+    return static_cast<float>(bits - (1 << 23)) * 0x1p-23F;
   }
 
  private:
@@ -149,21 +149,21 @@ class SplitMix64 {
 /// their scale and logits stay within a few units), norm weights uniform in [0.8, 1.2].
 [[nodiscard]] inline Weights random_weights(const Config& config, std::uint64_t seed = 2024) {
   Weights w = Weights::zeros(config);
-  const float sqrt3 = std::sqrt(3.0f);
+  const float sqrt3 = std::sqrt(3.0F);
   for_each_tensor(w, [&](const std::string& name, auto& tensor, const std::vector<std::size_t>& shape) {
     SplitMix64 rng(seed ^ name_hash(name));
     float* data = tensor.data();
     const auto size = static_cast<std::size_t>(tensor.size());
     if (shape.size() == 1) {
       // Near 1 but not 1, so a norm weight applied to the wrong axis changes the logits.
-      for (std::size_t i = 0; i < size; ++i) data[i] = 1.0f + 0.2f * rng.uniform();
+      for (std::size_t i = 0; i < size; ++i) data[i] = 1.0F + 0.2F * rng.uniform();
       return;
     }
     // Variance 1 / fan_in everywhere. For the output table that makes logits (a normalized
     // row times the table) spread over about one unit and peak at a few: peaked enough for
     // greedy decoding to mean something, small enough that float rounding, a few ulps of the
     // largest logit, stays well under the 1e-5 the equivalence tests demand.
-    const float stddev = 1.0f / std::sqrt(static_cast<float>(shape[1]));
+    const float stddev = 1.0F / std::sqrt(static_cast<float>(shape[1]));
     for (std::size_t i = 0; i < size; ++i) data[i] = sqrt3 * stddev * rng.uniform();
   });
   return w;
@@ -328,9 +328,9 @@ class Model {
   template <class X>
   void rms_norm(const Eigen::MatrixBase<X>& x, const Vector& weight, Matrix& out) const {
     out.resize(x.rows(), x.cols());
-    const float n = static_cast<float>(x.cols());
+    const auto n = static_cast<float>(x.cols());
     for (Eigen::Index t = 0; t < x.rows(); ++t) {
-      const float inv = 1.0f / std::sqrt(x.row(t).squaredNorm() / n + w_.config.rms_eps);
+      const float inv = 1.0F / std::sqrt(x.row(t).squaredNorm() / n + w_.config.rms_eps);
       out.row(t) = (x.row(t).array() * inv * weight.array()).matrix();
     }
   }
@@ -344,7 +344,7 @@ class Model {
       const float* sin = rope_sin_.row(t).data();
       for (std::size_t h = 0; h < heads; ++h) {
         Eigen::Map<Vector> x(m.row(t).data() + h * dim, idx(dim));
-        const float inv = 1.0f / std::sqrt(x.squaredNorm() / static_cast<float>(dim) + w_.config.rms_eps);
+        const float inv = 1.0F / std::sqrt(x.squaredNorm() / static_cast<float>(dim) + w_.config.rms_eps);
         x = (x.array() * inv * weight.array()).matrix();
         // Rotate-half: pairs are (i, i + D/2), not adjacent elements.
         for (std::size_t i = 0; i < half; ++i) {
@@ -374,7 +374,7 @@ class Model {
   Matrix run(std::span<const TokenId> tokens, std::size_t first, Logits which, AttendRef attend) {
     const Config& c = w_.config;
     const std::size_t n = tokens.size();
-    if (n == 0) return Matrix(0, idx(c.vocab));
+    if (n == 0) return Matrix(0, idx(c.vocab));  // NOLINT(modernize-return-braced-init-list): rows, cols
     positions_.resize(n);
     std::iota(positions_.begin(), positions_.end(), static_cast<std::int64_t>(first));
     // Angles in double: at position 30000 a float angle is already off by milliradians.
@@ -414,7 +414,7 @@ class Model {
       rms_norm(x_, lw.post_norm, h_);
       gate_.noalias() = h_ * lw.gate_proj.transpose();
       up_.noalias() = h_ * lw.up_proj.transpose();
-      gate_.array() = gate_.array() / (1.0f + (-gate_.array()).exp()) * up_.array();  // silu(gate) * up
+      gate_.array() = gate_.array() / (1.0F + (-gate_.array()).exp()) * up_.array();  // silu(gate) * up
       x_.noalias() += gate_ * lw.down_proj.transpose();
     }
     const Eigen::Index from = which == Logits::last ? idx(n - 1) : 0;

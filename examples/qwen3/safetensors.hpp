@@ -88,10 +88,10 @@ enum class Dtype { f32, f16, bf16 };
   if (abs >= 0x477ff000U) return static_cast<std::uint16_t>(sign | 0x7c00U);  // rounds to >= 65520: infinity
   if (abs < 0x38800000U) {
     // Result is subnormal (or zero): value / 2^-24, rounded to nearest even.
-    const float scaled = std::bit_cast<float>(abs) * 0x1p24f;  // exact: a power-of-two scale
+    const float scaled = std::bit_cast<float>(abs) * 0x1p24F;  // exact: a power-of-two scale
     auto q = static_cast<std::uint32_t>(scaled);
     const float rest = scaled - static_cast<float>(q);
-    if (rest > 0.5f || (rest == 0.5f && (q & 1U))) ++q;
+    if (rest > 0.5F || (rest == 0.5F && (q & 1U) != 0)) ++q;
     return static_cast<std::uint16_t>(sign | q);
   }
   const std::uint32_t rounded = abs + 0xfffU + ((abs >> 13) & 1U);
@@ -323,14 +323,15 @@ class File {
       }
       if (t->begin > covered) {
         fail(t->name, "data_offsets " + range(t) + " leave a gap of " + std::to_string(t->begin - covered) +
-                          " bytes after " + (previous ? "tensor '" + previous->name + "'" : "the header"));
+                          " bytes after " + (previous != nullptr ? "tensor '" + previous->name + "'" : "the header"));
       }
       covered = t->end;
       previous = t;
     }
     if (covered != data_bytes_) {
       fail(std::to_string(data_bytes_ - covered) + " bytes of data after the last tensor" +
-           (previous ? " ('" + previous->name + "')" : std::string()) + ": the header does not describe them");
+           (previous != nullptr ? " ('" + previous->name + "')" : std::string()) +
+           ": the header does not describe them");
     }
   }
 

@@ -58,7 +58,7 @@ struct StepTraffic {
 /// "224.0 MiB" for a byte count.
 [[nodiscard]] inline std::string format_bytes(std::uint64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
+  auto v = static_cast<double>(bytes);
   std::size_t u = 0;
   while (v >= 1024.0 && u + 1 < std::size(units)) {
     v /= 1024.0;
