@@ -65,6 +65,50 @@ class VisibilityRule {
   std::size_t sinks_[2];
 };
 
+/// The cache lines of a run of K rows and of V rows, asked for a few at a time: spread over a
+/// tile's arithmetic, memory keeps streaming and never holds more requests than it can serve.
+class LineFetcher {
+ public:
+  LineFetcher(const void* keys, const void* values, std::size_t stride_bytes, std::size_t row_bytes,
+              std::size_t rows) noexcept
+      : keys_(static_cast<const char*>(keys)),
+        values_(static_cast<const char*>(values)),
+        stride_(stride_bytes),
+        row_bytes_(row_bytes),
+        rows_(rows) {}
+
+  /// Spreads the lines over `ticks` calls of tick().
+  void pace(std::size_t ticks) noexcept {
+    const std::size_t lines = rows_ * ((row_bytes_ + kLine - 1) / kLine);
+    per_tick_ = ticks == 0 ? lines : (lines + ticks - 1) / ticks;
+  }
+  KVCACHE_ALWAYS_INLINE void tick() noexcept { issue(per_tick_); }
+  /// Asks for whatever is left.
+  void finish() noexcept { issue(std::numeric_limits<std::size_t>::max()); }
+
+ private:
+  static constexpr std::size_t kLine = 64;
+  KVCACHE_ALWAYS_INLINE void issue(std::size_t lines) noexcept {
+    for (; lines > 0 && row_ < rows_; --lines) {
+      prefetch(keys_ + row_ * stride_ + offset_, 1);
+      prefetch(values_ + row_ * stride_ + offset_, 1);
+      offset_ += kLine;
+      if (offset_ >= row_bytes_) {
+        offset_ = 0;
+        ++row_;
+      }
+    }
+  }
+  const char* keys_;
+  const char* values_;
+  std::size_t stride_;
+  std::size_t row_bytes_;
+  std::size_t rows_;
+  std::size_t per_tick_ = 0;
+  std::size_t row_ = 0;
+  std::size_t offset_ = 0;
+};
+
 /// One work item: queries [first_query, first_query + queries) of kv head `kv_head` in batch
 /// row `batch`, over the keys [key_begin, key_end) of the history taken as one sequence.
 struct AttentionItem {
@@ -85,7 +129,8 @@ class AttentionKernel {
   struct Workspace {
     std::vector<Acc> queries, acc, max, sum, scores, keys, values;
     std::vector<VisibilityRule::Cover> covers;
-    std::vector<char> active;  // per row: it sees a key of the current tile
+    std::vector<std::size_t> readers;  // the rows whose query may see a key of the current tile
+    std::vector<std::size_t> active;   // the readers that do
   };
 
   AttentionKernel(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
@@ -100,7 +145,8 @@ class AttentionKernel {
         group_(q.heads() / history.segments.front().keys.heads()),
         block_queries_(std::clamp<std::size_t>(kTargetRows / group_, 1, std::max<std::size_t>(q.tokens(), 1))),
         rows_(group_ * block_queries_),
-        tile_(std::clamp<std::size_t>(kTileBytes / (std::max<std::size_t>(dim_, 1) * sizeof(Acc)), 8, 64) / 4 * 4) {
+        tile_(std::clamp<std::size_t>(kTileBytes / (std::max<std::size_t>(dim_, 1) * sizeof(T)), kW, 8 * kW) / kW *
+              kW) {
     offsets_.reserve(segments_.size() + 1);
     offsets_.push_back(0);
     for (const Segment<T>& s : segments_) offsets_.push_back(offsets_.back() + s.tokens());
@@ -125,7 +171,8 @@ class AttentionKernel {
     w.keys.resize(convert ? tile_ * dim_ : 0);
     w.values.resize(convert ? tile_ * dim_ : 0);
     w.covers.resize(block_queries_);
-    w.active.resize(rows_);
+    w.readers.reserve(rows_);
+    w.active.reserve(rows_);
     return w;
   }
 
@@ -141,7 +188,7 @@ class AttentionKernel {
       const std::size_t hi = std::min(item.key_end, offsets_[s + 1]);
       for (std::size_t j = lo; j < hi; j += tile_) {
         const std::size_t count = std::min(tile_, hi - j);
-        run_tile(item, segments_[s], j - offsets_[s], count, std::min(tile_, hi - j - count), w);
+        run_tile(item, segments_[s], j - offsets_[s], count, hi - j - count, w);
       }
     }
     if (partials != nullptr) {
@@ -179,7 +226,10 @@ class AttentionKernel {
 
  private:
   static constexpr std::size_t kTargetRows = 16;    // query rows per block, shared K/V tile
-  static constexpr std::size_t kTileBytes = 16384;  // a K tile in Acc: it stays in L1 for every row
+  static constexpr std::size_t kTileBytes = 32768;  // a K tile in Acc: it stays in L1 for every row
+  static constexpr std::size_t kW = kVector<Acc>;   // keys scored at once
+  // How K and V rows are read: in place when they widen in registers, else from a converted tile.
+  using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
 
   /// Row r of a block is query first_query + r / G of query head kv_head * G + r % G.
   [[nodiscard]] std::size_t head_of(const AttentionItem& item, std::size_t r) const noexcept {
@@ -189,8 +239,9 @@ class AttentionKernel {
   void load_queries(const AttentionItem& item, Workspace& w) const noexcept {
     for (std::size_t r = 0; r < item.queries * group_; ++r) {
       Acc* dst = w.queries.data() + r * dim_;
-      convert_row(q_.row(item.batch, head_of(item, r), item.first_query + r / group_), dst, dim_);
-      for (std::size_t d = 0; d < dim_; ++d) dst[d] *= scale_;  // scores come out scaled
+      const Q* src = q_.row(item.batch, head_of(item, r), item.first_query + r / group_);
+      // Scaled, so that scores come out scaled; in the order the K rows are read in.
+      for (std::size_t d = 0; d < dim_; ++d) dst[lane_of<Stored, Acc>(d, dim_)] = load_as<Acc>(src, d) * scale_;
     }
   }
 
@@ -199,38 +250,27 @@ class AttentionKernel {
     const Acc inverse = sum > 0 ? Acc{1} / sum : Acc{0};  // no visible key: zeros
     for (std::size_t d = 0; d < dim_; ++d) {
       if constexpr (std::is_same_v<Q, Eigen::half> || std::is_same_v<Q, Eigen::bfloat16>) {
-        dst[d] = static_cast<Q>(static_cast<float>(acc[d] * inverse));
+        dst[d] = static_cast<Q>(static_cast<float>(acc[lane_of<Stored, Acc>(d, dim_)] * inverse));
       } else {
-        dst[d] = static_cast<Q>(acc[d] * inverse);
+        dst[d] = static_cast<Q>(acc[lane_of<Stored, Acc>(d, dim_)] * inverse);
       }
     }
   }
 
   /// Calls read(rows, stride) with the rows of `view` for (batch, kv_head), keys [first,
-  /// first + count): in place when they convert in registers and at most four query rows read
-  /// them, else converted once into `scratch` for all the rows that share them.
+  /// first + count): in place when they widen in registers, else converted once into `scratch`
+  /// for all the rows that share them.
   template <class Read>
   void with_rows(const TensorView<const T>& view, const AttentionItem& item, std::size_t first, std::size_t count,
-                 std::size_t readers, std::vector<Acc>& scratch, const Read& read) const noexcept {
-    if constexpr (kConvertsInRegisters<T, Acc>) {
-      if (std::is_same_v<T, Acc> || readers <= 4) {
-        read(view.row(item.batch, item.kv_head, first), view.strides().tokens);
-        return;
-      }
-    }
-    if constexpr (!std::is_same_v<T, Acc>) {
+                 std::vector<Acc>& scratch, const Read& read) const noexcept {
+    if constexpr (std::is_same_v<Stored, T>) {
+      read(view.row(item.batch, item.kv_head, first), view.strides().tokens);
+    } else {
       for (std::size_t j = 0; j < count; ++j) {
         convert_row(view.row(item.batch, item.kv_head, first + j), scratch.data() + j * dim_, dim_);
       }
       read(static_cast<const Acc*>(scratch.data()), dim_);
     }
-  }
-
-  /// Asks for keys [first, first + count) of `view` ahead of use, so that memory streams while
-  /// the current tile is computed instead of between tiles.
-  void prefetch_rows(const TensorView<const T>& view, const AttentionItem& item, std::size_t first,
-                     std::size_t count) const noexcept {
-    for (std::size_t j = 0; j < count; ++j) prefetch(view.row(item.batch, item.kv_head, first + j), dim_ * sizeof(T));
   }
 
   /// One tile of keys [first, first + count) of a segment; `ahead` keys follow it in the same item.
@@ -246,47 +286,91 @@ class AttentionKernel {
     }
     if (!any) return;  // a tile no query may read is never loaded
 
-    std::size_t readers = 0;  // query rows that read this tile
-    for (std::size_t t = 0; t < item.queries; ++t) readers += w.covers[t] == Cover::kNone ? 0 : group_;
-
-    prefetch_rows(segment.keys, item, first + count, ahead);
-    bool active_rows = false;
-    with_rows(segment.keys, item, first, count, readers, w.keys, [&](const auto* keys, std::size_t stride) {
+    w.readers.clear();
+    w.active.clear();
+    for (std::size_t t = 0; t < item.queries; ++t) {
+      if (w.covers[t] == Cover::kNone) continue;
+      for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) w.readers.push_back(r);
+    }
+    // The next tile's K and V rows are asked for while this one computes, a few lines per
+    // chunk of scores and per weighted V row.
+    const std::size_t next = std::min(tile_, ahead);
+    LineFetcher fetcher(segment.keys.row(item.batch, item.kv_head, first + count),
+                        segment.values.row(item.batch, item.kv_head, first + count),
+                        segment.keys.strides().tokens * sizeof(T), dim_ * sizeof(T), next);
+    {
+      const std::size_t n = w.readers.size();
+      const std::size_t by4 = kW % 4 == 0 ? n / 4 : 0;
+      const std::size_t by2 = kW % 2 == 0 ? (n - 4 * by4) / 2 : 0;
+      const std::size_t by1 = n - 4 * by4 - 2 * by2;
+      const auto chunks = [&](std::size_t keys) { return (count + keys - 1) / keys; };
+      const std::size_t scoring = (2 * by4 + by2) * chunks(kW / 2) + by1 * chunks(kW);
+      fetcher.pace(scoring + (n / 4 + n % 4 / 2 + n % 2) * count);
+    }
+    with_rows(segment.keys, item, first, count, w.keys, [&](const Stored* keys, std::size_t stride) {
+      // Two rows at a time, then one: each K row read (and widened) serves both. More rows would
+      // leave too few registers for the queries.
+      std::size_t i = 0;
+      if constexpr (kW % 2 == 0) {
+        for (; i + 2 <= w.readers.size(); i += 2) score<2>(w, i, keys, stride, count, fetcher);
+      }
+      for (; i < w.readers.size(); ++i) score<1>(w, i, keys, stride, count, fetcher);
       for (std::size_t t = 0; t < item.queries; ++t) {
         if (w.covers[t] == Cover::kNone) continue;
         const std::int64_t query = q_positions_[item.first_query + t];
         for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
           Acc* scores = w.scores.data() + r * tile_;
-          const Acc* q = w.queries.data() + r * dim_;
-          std::size_t j = 0;
-          for (; j + 4 <= count; j += 4) {
-            const auto* k = keys + j * stride;
-            dot4(q, k, k + stride, k + 2 * stride, k + 3 * stride, dim_, scores + j);
-          }
-          for (; j < count; ++j) scores[j] = dot(q, keys + j * stride, dim_);
           if (w.covers[t] == Cover::kSome) {
-            for (j = 0; j < count; ++j) {
+            for (std::size_t j = 0; j < count; ++j) {
               if (!rule_.visible(query, positions[j])) scores[j] = -std::numeric_limits<Acc>::infinity();
             }
           }
-          const bool active = update_softmax(scores, count, w.max[r], w.sum[r], w.acc.data() + r * dim_);
-          w.active[r] = static_cast<char>(active);
-          active_rows = active_rows || active;
+          if (update_softmax(scores, count, w.max[r], w.sum[r], w.acc.data() + r * dim_)) w.active.push_back(r);
         }
       }
     });
-    if (!active_rows) return;
+    if (!w.active.empty()) {
+      with_rows(segment.values, item, first, count, w.values, [&](const Stored* values, std::size_t stride) {
+        // Four, two, then one row at a time: each V row is read once for all of them.
+        std::size_t i = 0;
+        for (; i + 4 <= w.active.size(); i += 4) accumulate<4>(w, i, values, stride, count, fetcher);
+        for (; i + 2 <= w.active.size(); i += 2) accumulate<2>(w, i, values, stride, count, fetcher);
+        for (; i < w.active.size(); ++i) accumulate<1>(w, i, values, stride, count, fetcher);
+      });
+    }
+    fetcher.finish();
+  }
 
-    prefetch_rows(segment.values, item, first + count, ahead);
-    with_rows(segment.values, item, first, count, readers, w.values, [&](const auto* values, std::size_t stride) {
-      for (std::size_t t = 0; t < item.queries; ++t) {
-        if (w.covers[t] == Cover::kNone) continue;
-        for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
-          if (w.active[r] == 0) continue;
-          accumulate_rows(w.acc.data() + r * dim_, w.scores.data() + r * tile_, values, stride, count, dim_);
-        }
-      }
-    });
+  /// Scores the tile's keys for readers [i, i + R), kVector / R keys at a time (the last ones
+  /// repeated to fill the registers; their scores are never read).
+  template <std::size_t R>
+  void score(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
+             LineFetcher& fetcher) const noexcept {
+    constexpr std::size_t kKeys = kW / R;
+    const Acc* q[R];
+    Acc* out[R];
+    for (std::size_t r = 0; r < R; ++r) q[r] = w.queries.data() + w.readers[i + r] * dim_;
+    for (std::size_t j = 0; j < count; j += kKeys) {
+      const Stored* rows[kKeys];
+      for (std::size_t k = 0; k < kKeys; ++k) rows[k] = keys + std::min(j + k, count - 1) * stride;
+      for (std::size_t r = 0; r < R; ++r) out[r] = w.scores.data() + w.readers[i + r] * tile_ + j;
+      score_keys<R>(q, rows, dim_, out);
+      fetcher.tick();
+    }
+  }
+
+  /// Adds the weighted V rows of the tile into the accumulators of active rows [i, i + R).
+  template <std::size_t R>
+  void accumulate(Workspace& w, std::size_t i, const Stored* values, std::size_t stride, std::size_t count,
+                  LineFetcher& fetcher) const noexcept {
+    Acc* acc[R];
+    const Acc* weights[R];
+    for (std::size_t r = 0; r < R; ++r) {
+      acc[r] = w.acc.data() + w.active[i + r] * dim_;
+      weights[r] = w.scores.data() + w.active[i + r] * tile_;
+    }
+    accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_,
+                                                        [&] { fetcher.tick(); });
   }
 
   /// Online softmax: turns a row's scores into weights against its running max, rescaling the

@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The inner loops of causal_attention, written so that a compiler vectorizes them at default
-// flags (no -ffast-math): fixed-width lane accumulators instead of reductions it may not
-// reorder, bit operations instead of library calls.
+// The inner loops of causal_attention. They work on whole vector registers (GCC/Clang vector
+// extensions, or a plain array elsewhere) of the width the including translation unit is
+// compiled for, so one code path runs at SSE2, AVX2 and AVX-512 alike. Scores come out W keys
+// at a time: W dot products kept in W accumulators, summed together by a transpose-and-add
+// tree, never one horizontal reduction per key. 16-bit rows are widened in registers.
 
 #include <bit>
 #include <cmath>
@@ -12,14 +14,14 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include <Eigen/Core>
 
 namespace kvcache::detail {
 
 // The vector register width this translation unit is compiled for (the library is header-only,
-// so this is the user's -m flags): accumulators span as many registers as keep the multiply-add
-// units busy, without spilling, at every width.
+// so this is the user's -m flags).
 #if defined(__AVX512F__)
 inline constexpr std::size_t kVectorBytes = 64;
 #elif defined(__AVX__)
@@ -32,18 +34,90 @@ inline constexpr std::size_t kVectorBytes = 16;
 template <class Acc>
 inline constexpr std::size_t kVector = kVectorBytes / sizeof(Acc);
 
-/// Lanes per dot-product accumulator: two registers, so four keys at once make eight chains.
-template <class Acc>
-inline constexpr std::size_t kLanes = 2 * kVector<Acc>;
+/// Vector registers of accumulators a loop may hold without spilling, with room left for its
+/// operands: AVX-512 has 32 registers, SSE2 and AVX2 have 16.
+inline constexpr std::size_t kAccumulators = kVectorBytes == 64 ? 16 : 8;
 
-/// Hints that `bytes` from `p` will be read soon (a tile ahead of the one being computed).
-inline void prefetch(const void* p, std::size_t bytes) noexcept {
 #if defined(__GNUC__) || defined(__clang__)
-  const char* c = static_cast<const char*>(p);
-  for (std::size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 3);
+#define KVCACHE_VECTOR_EXTENSIONS 1
+/// E[kVectorBytes / sizeof(E)] as one register: GCC/Clang vector extensions.
+template <class E>
+struct VectorOf;
+template <>
+struct VectorOf<float> {
+  using type = float __attribute__((vector_size(kVectorBytes)));
+};
+template <>
+struct VectorOf<double> {
+  using type = double __attribute__((vector_size(kVectorBytes)));
+};
+template <>
+struct VectorOf<std::uint32_t> {
+  using type = std::uint32_t __attribute__((vector_size(kVectorBytes)));
+};
 #else
-  (void)p;
-  (void)bytes;
+#define KVCACHE_VECTOR_EXTENSIONS 0
+/// Elsewhere, an array with element-wise operators: the same results, left to the optimizer.
+template <class E, std::size_t W>
+struct LoopVector {
+  E lane[W];
+  E& operator[](std::size_t i) noexcept { return lane[i]; }
+  E operator[](std::size_t i) const noexcept { return lane[i]; }
+  LoopVector& operator+=(const LoopVector& o) noexcept {
+    for (std::size_t i = 0; i < W; ++i) lane[i] += o.lane[i];
+    return *this;
+  }
+  friend LoopVector operator+(LoopVector a, const LoopVector& b) noexcept { return a += b; }
+  friend LoopVector operator*(LoopVector a, const LoopVector& b) noexcept {
+    for (std::size_t i = 0; i < W; ++i) a.lane[i] *= b.lane[i];
+    return a;
+  }
+  friend LoopVector operator<<(LoopVector a, int bits) noexcept {
+    for (std::size_t i = 0; i < W; ++i) a.lane[i] = static_cast<E>(a.lane[i] << bits);
+    return a;
+  }
+  friend LoopVector operator&(LoopVector a, E mask) noexcept {
+    for (std::size_t i = 0; i < W; ++i) a.lane[i] &= mask;
+    return a;
+  }
+};
+template <class E>
+struct VectorOf {
+  using type = LoopVector<E, kVectorBytes / sizeof(E)>;
+};
+#endif
+
+template <class E>
+using Vector = typename VectorOf<E>::type;
+
+/// Calls f(std::integral_constant<std::size_t, i>) for i in [0, N), unrolled: arrays of
+/// registers indexed this way stay in registers.
+template <std::size_t N, class F>
+inline void unroll(const F& f) noexcept {
+  [&]<std::size_t... I>(std::index_sequence<I...>) { (f(std::integral_constant<std::size_t, I>{}), ...); }
+  (std::make_index_sequence<N>{});
+}
+
+template <class V, class E>
+inline V load_vector(const E* p) noexcept {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <class V, class E>
+inline void store_vector(E* p, const V& v) noexcept {
+  std::memcpy(p, &v, sizeof v);
+}
+
+template <class Acc>
+inline Vector<Acc> splat(Acc x) noexcept {
+#if KVCACHE_VECTOR_EXTENSIONS
+  return x - Vector<Acc>{};  // the scalar is broadcast; x - 0 is x, so no add is left
+#else
+  Vector<Acc> v;
+  for (std::size_t i = 0; i < kVector<Acc>; ++i) v[i] = x;
+  return v;
 #endif
 }
 
@@ -65,12 +139,6 @@ inline void convert_row(const T* __restrict src, Acc* __restrict dst, std::size_
   }
 }
 
-/// Whether rows of T can be converted to Acc in registers as they are read (a shift for
-/// bfloat16), so a row read by one query row needs no converted copy.
-template <class T, class Acc>
-inline constexpr bool kConvertsInRegisters = std::is_same_v<T, Acc> ||
-                                             (std::is_same_v<T, Eigen::bfloat16> && std::is_same_v<Acc, float>);
-
 /// p[i] as Acc; for bfloat16 the same shift as convert_row.
 template <class Acc, class T>
 inline Acc load_as(const T* p, std::size_t i) noexcept {
@@ -78,22 +146,220 @@ inline Acc load_as(const T* p, std::size_t i) noexcept {
     std::uint16_t bits;
     std::memcpy(&bits, p + i, sizeof bits);
     return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
+  } else if constexpr (std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>) {
+    return static_cast<Acc>(static_cast<float>(p[i]));
   } else {
     return static_cast<Acc>(p[i]);
   }
 }
 
-/// Sums the lanes by halves (a fixed order, so results never depend on the thread count); each
-/// step is a fixed-size loop a compiler turns into whole-register adds.
-template <class Acc, std::size_t L>
-inline Acc reduce_lanes(const Acc (&lanes)[L]) noexcept {
+/// Whether rows of T are read into Acc registers as they are (RowReader<T, Acc>), so that no
+/// converted copy of a tile is ever made.
+template <class T, class Acc>
+inline constexpr bool kConvertsInRegisters = std::is_same_v<T, Acc> ||
+                                             (std::is_same_v<T, Eigen::bfloat16> && std::is_same_v<Acc, float>);
+
+/// How rows of T are read into Acc registers: kSplit registers from each kSplit * W stored
+/// values. A bfloat16 is the top half of a float, so W 32-bit words of bfloat16 pairs give the
+/// even values by a shift and the odd ones by a mask, two integer operations and no shuffle.
+/// Queries and accumulators are kept in the same order as the registers (lane(d)), so a dot
+/// product or a weighted sum never has to put the values back in order until the output.
+template <class T, class Acc>
+struct RowReader {
+  static_assert(std::is_same_v<T, Acc>, "RowReader: rows are read as Acc, or as bfloat16 into float.");
+  static constexpr std::size_t kSplit = 1;
+  static void load(const T* p, Vector<Acc> (&out)[kSplit]) noexcept { out[0] = load_vector<Vector<Acc>>(p); }
+};
+
+template <>
+struct RowReader<Eigen::bfloat16, float> {
+  static_assert(sizeof(Eigen::bfloat16) == 2);
+  static constexpr std::size_t kSplit = 2;
+  static void load(const Eigen::bfloat16* p, Vector<float> (&out)[kSplit]) noexcept {
+    const auto pairs = load_vector<Vector<std::uint32_t>>(p);
+    out[0] = std::bit_cast<Vector<float>>(pairs << 16);                                      // even values
+    out[1] = std::bit_cast<Vector<float>>(pairs & static_cast<std::uint32_t>(0xFFFF0000U));  // odd values
+  }
+};
+
+/// Where value d of a row of `dim` lives in the register order of RowReader<T, Acc>: whole
+/// groups of kSplit * W values are split into even and odd halves; the tail stays in order.
+template <class T, class Acc>
+inline std::size_t lane_of(std::size_t d, std::size_t dim) noexcept {
+  constexpr std::size_t split = RowReader<T, Acc>::kSplit;
+  constexpr std::size_t group = split * kVector<Acc>;
+  if (split == 1 || d >= dim / group * group) return d;
+  const std::size_t base = d / group * group;
+  const std::size_t i = d - base;
+  return base + (i % split) * kVector<Acc> + i / split;
+}
+
+/// Lane l of one half of a pair sum with blocks of 2h lanes: the low (or high) h lanes of each
+/// block of x, then those of the same block of y (lane W + i of the pair is y[i]).
+constexpr int pair_lane(std::size_t w, std::size_t h, bool high, std::size_t l) noexcept {
+  const std::size_t block = l / (2 * h) * (2 * h);
+  const std::size_t i = l % (2 * h);
+  const std::size_t offset = high ? h : 0;
+  return static_cast<int>(i < h ? block + offset + i : w + block + offset + i - h);
+}
+
+template <std::size_t H, bool High, class V, std::size_t... L>
+inline V pick_halves(const V& x, const V& y, std::index_sequence<L...>) noexcept {
+#if KVCACHE_VECTOR_EXTENSIONS
+  return __builtin_shufflevector(x, y, pair_lane(sizeof...(L), H, High, L)...);
+#else
+  V out;
+  ((out[L] = pair_lane(sizeof...(L), H, High, L) < static_cast<int>(sizeof...(L))
+                 ? x[static_cast<std::size_t>(pair_lane(sizeof...(L), H, High, L))]
+                 : y[static_cast<std::size_t>(pair_lane(sizeof...(L), H, High, L)) - sizeof...(L)]),
+   ...);
+  return out;
+#endif
+}
+
+/// The index whose log2(w) low bits are those of i reversed.
+constexpr std::size_t reverse_bits(std::size_t i, std::size_t w) noexcept {
+  std::size_t r = 0;
+  for (std::size_t bit = 1; bit < w; bit <<= 1, i >>= 1) r = (r << 1) | (i & 1);
+  return r;
+}
+
+/// Sums N registers of W lanes into one, lane l holding the sum of a[reverse_bits(l, W)]:
+/// each level adds the low and high halves of every block of a pair, so W registers cost W - 1
+/// pair sums (two shuffles and an add each) instead of W horizontal reductions.
+template <std::size_t W, std::size_t H, class V, std::size_t N>
+inline V transpose_sum(const V (&a)[N]) noexcept {
+  if constexpr (N == 1) {
+    return a[0];
+  } else {
+    static_assert(N % 2 == 0 && H >= 1, "transpose_sum: N must be a power of two no larger than the lanes.");
+    V b[N / 2];
+    unroll<N / 2>([&](auto i) {
+      b[i] = pick_halves<H, false>(a[2 * i], a[2 * i + 1], std::make_index_sequence<W>{}) +
+             pick_halves<H, true>(a[2 * i], a[2 * i + 1], std::make_index_sequence<W>{});
+    });
+    return transpose_sum<W, H / 2>(b);
+  }
+}
+
+/// out[r][k] = q[r] . keys[k] for R query rows and K = W / R keys (W = kVector<Acc>): R x K = W
+/// accumulators, summed together by transpose_sum, so each key row read (and widened) serves R
+/// rows. q is in lane_of order; out[r] gets K values.
+template <std::size_t R, class T, class Acc>
+inline void score_keys(const Acc* const (&q)[R], const T* const (&keys)[kVector<Acc> / R], std::size_t dim,
+                       Acc* const (&out)[R]) noexcept {
+  using V = Vector<Acc>;
+  using Reader = RowReader<T, Acc>;
+  constexpr std::size_t W = kVector<Acc>;
+  constexpr std::size_t S = Reader::kSplit;
+  constexpr std::size_t K = W / R;
+  static_assert(K * R == W, "score_keys: R must divide the lanes.");
+  const std::size_t body = dim / (S * W) * (S * W);
+  V acc[W];  // row r, key k at r * K + k
+  unroll<W>([&](auto i) { acc[i] = V{}; });
+  for (std::size_t d = 0; d < body; d += S * W) {
+    V qv[R][S];
+    unroll<R>([&](auto r) { unroll<S>([&](auto s) { qv[r][s] = load_vector<V>(q[r] + d + s * W); }); });
+    unroll<K>([&](auto k) {
+      V kv[S];
+      Reader::load(keys[k] + d, kv);
+      unroll<R>([&](auto r) { unroll<S>([&](auto s) { acc[r * K + k] += qv[r][s] * kv[s]; }); });
+    });
+  }
+  V ordered[W];
+  unroll<W>([&](auto l) { ordered[l] = acc[reverse_bits(l, W)]; });
+  V sums = transpose_sum<W, W / 2>(ordered);
+  if (body < dim) {
+    Acc tail[W] = {};
+    for (std::size_t r = 0; r < R; ++r) {
+      for (std::size_t k = 0; k < K; ++k) {
+        for (std::size_t d = body; d < dim; ++d) tail[r * K + k] += q[r][d] * load_as<Acc>(keys[k], d);
+      }
+    }
+    sums += load_vector<V>(tail);
+  }
+  Acc lanes[W];
+  store_vector(lanes, sums);
+  unroll<R>([&](auto r) { std::memcpy(out[r], lanes + r * K, K * sizeof(Acc)); });
+}
+
+/// acc[r][d, d + C W) += sum_j w[r][j] * rows[j][d, d + C W) for R query rows: each stored row
+/// is read and widened once for all R, into R x C accumulators held in registers.
+/// tick() is called once per row (the caller asks for memory it will need next).
+template <std::size_t R, std::size_t C, class T, class Acc, class Tick>
+inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows, std::size_t stride,
+                             std::size_t count, std::size_t d, const Tick& tick) noexcept {
+  using V = Vector<Acc>;
+  using Reader = RowReader<T, Acc>;
+  constexpr std::size_t W = kVector<Acc>;
+  constexpr std::size_t S = Reader::kSplit;
+  static_assert(C % S == 0, "accumulate_block: C must be a whole number of reads.");
+  V a[R][C];
+  unroll<R>([&](auto r) { unroll<C>([&](auto c) { a[r][c] = load_vector<V>(acc[r] + d + c * W); }); });
+  for (std::size_t j = 0; j < count; ++j) {
+    const T* row = rows + j * stride + d;
+    V p[R];
+    unroll<R>([&](auto r) { p[r] = splat(w[r][j]); });
+    unroll<C / S>([&](auto c) {
+      V x[S];
+      Reader::load(row + c * S * W, x);
+      unroll<R>([&](auto r) { unroll<S>([&](auto s) { a[r][c * S + s] += p[r] * x[s]; }); });
+    });
+    tick();
+  }
+  unroll<R>([&](auto r) { unroll<C>([&](auto c) { store_vector(acc[r] + d + c * W, a[r][c]); }); });
+}
+
+/// acc[r][d, dim) += sum_j w[r][j] * rows[j][d, dim) for R query rows (accumulators in lane_of
+/// order): blocks of C registers per row while they fit, then half as many, down to one read,
+/// then scalars for the tail. tick() is called once per row in the first block only.
+template <std::size_t R, std::size_t C, class T, class Acc, class Tick>
+inline void accumulate_rows(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows, std::size_t stride,
+                            std::size_t count, std::size_t dim, const Tick& tick, std::size_t d = 0) noexcept {
+  constexpr std::size_t W = kVector<Acc>;
+  constexpr std::size_t S = RowReader<T, Acc>::kSplit;
+  const auto none = [] {};
+  for (; d + C * W <= dim; d += C * W) {
+    if (d == 0) {
+      accumulate_block<R, C>(acc, w, rows, stride, count, d, tick);
+    } else {
+      accumulate_block<R, C>(acc, w, rows, stride, count, d, none);
+    }
+  }
+  if constexpr (C > S) {
+    if (d == 0) {
+      accumulate_rows<R, C / 2>(acc, w, rows, stride, count, dim, tick, d);
+    } else {
+      accumulate_rows<R, C / 2>(acc, w, rows, stride, count, dim, none, d);
+    }
+  } else {
+    for (std::size_t r = 0; r < R; ++r) {
+      for (std::size_t i = d; i < dim; ++i) {
+        Acc sum = acc[r][i];
+        for (std::size_t j = 0; j < count; ++j) sum += w[r][j] * load_as<Acc>(rows, j * stride + i);
+        acc[r][i] = sum;
+      }
+    }
+  }
+}
+
+/// The registers of accumulators per row that R rows may hold at once: a power of two, and a
+/// whole number of reads of T.
+template <std::size_t R, class T, class Acc>
+inline constexpr std::size_t kBlockRegisters = std::max<std::size_t>(std::bit_floor(kAccumulators / R),
+                                                                     RowReader<T, Acc>::kSplit);
+
+/// Folds L lanes by halves with op, a fixed order that a compiler turns into whole-register
+/// operations (a left-to-right loop over the lanes would be a chain of scalar ones).
+template <std::size_t L, class Acc, class Op>
+inline Acc fold_lanes(const Acc (&lanes)[L], const Op& op) noexcept {
   if constexpr (L == 1) {
     return lanes[0];
   } else {
-    static_assert(L % 2 == 0, "reduce_lanes halves its lanes: L must be a power of two.");
+    static_assert(L % 2 == 0, "fold_lanes halves its lanes: L must be a power of two.");
     Acc half[L / 2];
-    for (std::size_t l = 0; l < L / 2; ++l) half[l] = lanes[l] + lanes[l + L / 2];
-    return reduce_lanes(half);
+    for (std::size_t l = 0; l < L / 2; ++l) half[l] = op(lanes[l], lanes[l + L / 2]);
+    return fold_lanes(half, op);
   }
 }
 
@@ -108,9 +374,7 @@ inline Acc max_of(const Acc* x, std::size_t n) noexcept {
     for (std::size_t l = 0; l < L; ++l) lanes[l] = lanes[l] > x[i + l] ? lanes[l] : x[i + l];
   }
   for (std::size_t l = 0; i < n; ++i, ++l) lanes[l] = lanes[l] > x[i] ? lanes[l] : x[i];
-  Acc m = lanes[0];
-  for (std::size_t l = 1; l < L; ++l) m = m > lanes[l] ? m : lanes[l];
-  return m;
+  return fold_lanes(lanes, [](Acc a, Acc b) { return a > b ? a : b; });
 }
 
 /// The sum of n values, over independent lanes.
@@ -123,109 +387,26 @@ inline Acc sum_of(const Acc* x, std::size_t n) noexcept {
     for (std::size_t l = 0; l < L; ++l) lanes[l] += x[i + l];
   }
   for (std::size_t l = 0; i < n; ++i, ++l) lanes[l] += x[i];
-  return reduce_lanes(lanes);
+  return fold_lanes(lanes, [](Acc a, Acc b) { return a + b; });
 }
 
-/// out[i] = q . k_i for four key rows: q is loaded once for all four, and the four sets of lane
-/// accumulators are independent, so the multiply-adds pipeline.
-template <class Acc, class K>
-inline void dot4(const Acc* __restrict q, const K* k0, const K* k1, const K* k2, const K* k3, std::size_t n,
-                 Acc* __restrict out) noexcept {
-  constexpr std::size_t L = kLanes<Acc>;
-  Acc a0[L] = {};
-  Acc a1[L] = {};
-  Acc a2[L] = {};
-  Acc a3[L] = {};
-  std::size_t d = 0;
-  for (; d + L <= n; d += L) {
-    for (std::size_t l = 0; l < L; ++l) {
-      const Acc x = q[d + l];
-      a0[l] += x * load_as<Acc>(k0, d + l);
-      a1[l] += x * load_as<Acc>(k1, d + l);
-      a2[l] += x * load_as<Acc>(k2, d + l);
-      a3[l] += x * load_as<Acc>(k3, d + l);
-    }
-  }
-  // The tail goes to scalars: indexing the lane arrays by a variable would keep them in memory.
-  Acc t0 = 0;
-  Acc t1 = 0;
-  Acc t2 = 0;
-  Acc t3 = 0;
-  for (; d < n; ++d) {
-    t0 += q[d] * load_as<Acc>(k0, d);
-    t1 += q[d] * load_as<Acc>(k1, d);
-    t2 += q[d] * load_as<Acc>(k2, d);
-    t3 += q[d] * load_as<Acc>(k3, d);
-  }
-  out[0] = reduce_lanes(a0) + t0;
-  out[1] = reduce_lanes(a1) + t1;
-  out[2] = reduce_lanes(a2) + t2;
-  out[3] = reduce_lanes(a3) + t3;
-}
+#if defined(__GNUC__) || defined(__clang__)
+// GCC finds a function that only prefetches free of side effects and deletes calls to it: the
+// prefetches must be inlined into the loop that uses them before it looks.
+#define KVCACHE_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define KVCACHE_ALWAYS_INLINE
+#endif
 
-/// q . k for one key row.
-template <class Acc, class K>
-inline Acc dot(const Acc* __restrict q, const K* __restrict k, std::size_t n) noexcept {
-  constexpr std::size_t L = kLanes<Acc>;
-  Acc a[L] = {};
-  std::size_t d = 0;
-  for (; d + L <= n; d += L) {
-    for (std::size_t l = 0; l < L; ++l) a[l] += q[d + l] * load_as<Acc>(k, d + l);
-  }
-  Acc tail = 0;
-  for (; d < n; ++d) tail += q[d] * load_as<Acc>(k, d);
-  return reduce_lanes(a) + tail;
-}
-
-/// acc[d, d + L) += sum_j w[j] * rows[j][d, d + L): L lanes held in registers while every row
-/// streams past, two rows at a time into separate lanes so that consecutive multiply-adds do
-/// not wait on each other.
-template <std::size_t L, class Acc, class V>
-inline void accumulate_chunk(Acc* __restrict acc, const Acc* __restrict w, const V* rows, std::size_t stride,
-                             std::size_t count) noexcept {
-  Acc even[L];
-  Acc odd[L] = {};
-  for (std::size_t l = 0; l < L; ++l) even[l] = acc[l];
-  std::size_t j = 0;
-  for (; j + 2 <= count; j += 2) {
-    const Acc w0 = w[j];
-    const Acc w1 = w[j + 1];
-    const V* v0 = rows + j * stride;
-    const V* v1 = v0 + stride;
-    for (std::size_t l = 0; l < L; ++l) {
-      even[l] += w0 * load_as<Acc>(v0, l);
-      odd[l] += w1 * load_as<Acc>(v1, l);
-    }
-  }
-  if (j < count) {
-    const Acc wj = w[j];
-    const V* v = rows + j * stride;
-    for (std::size_t l = 0; l < L; ++l) even[l] += wj * load_as<Acc>(v, l);
-  }
-  for (std::size_t l = 0; l < L; ++l) acc[l] = even[l] + odd[l];
-}
-
-/// acc[0, n) += sum_j w[j] * rows[j][0, n) over `count` rows `stride` apart, in the widest
-/// chunks that fit: the accumulator stays in registers instead of being reloaded per row.
-template <class Acc, class V>
-inline void accumulate_rows(Acc* __restrict acc, const Acc* __restrict w, const V* rows, std::size_t stride,
-                            std::size_t count, std::size_t n) noexcept {
-  constexpr std::size_t W = kVector<Acc>;
-  std::size_t d = 0;
-  for (; d + 4 * W <= n; d += 4 * W) accumulate_chunk<4 * W>(acc + d, w, rows + d, stride, count);
-  if (d + 2 * W <= n) {
-    accumulate_chunk<2 * W>(acc + d, w, rows + d, stride, count);
-    d += 2 * W;
-  }
-  if (d + W <= n) {
-    accumulate_chunk<W>(acc + d, w, rows + d, stride, count);
-    d += W;
-  }
-  for (; d < n; ++d) {
-    Acc sum = acc[d];
-    for (std::size_t j = 0; j < count; ++j) sum += w[j] * load_as<Acc>(rows, j * stride + d);
-    acc[d] = sum;
-  }
+/// Hints that `bytes` from `p` will be read soon (a tile ahead of the one being computed).
+KVCACHE_ALWAYS_INLINE inline void prefetch(const void* p, std::size_t bytes) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* c = static_cast<const char*>(p);
+  for (std::size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 3);
+#else
+  (void)p;
+  (void)bytes;
+#endif
 }
 
 /// e^x for x <= 0, with e^x = 0 below -87 (and for -inf, a masked score). Within 1 ulp in
