@@ -35,7 +35,13 @@
 #include <utility>
 #include <vector>
 
-#include "kvcache/kvcache.hpp"
+// The cache headers alone: this program measures caches, not attention.
+#include "kvcache/concat_kv_cache.hpp"
+#include "kvcache/config.hpp"
+#include "kvcache/kv_cache.hpp"
+#include "kvcache/ring_kv_cache.hpp"
+#include "kvcache/size.hpp"
+#include "kvcache/views.hpp"
 
 namespace {
 

@@ -36,6 +36,9 @@ if ! cmake --preset release; then
   build_args=(build/release-bench --parallel 2)
   bin="build/release-bench"
 fi
+# Results of an earlier run must not be plotted as this run's.
+for bench in "${benches[@]}"; do rm -f "$results/$bench.json"; done
+
 # Benchmarks are built together; if that fails (a program mid-edit), each is built alone and
 # those that do not build are left out, loudly, rather than costing the others their figures.
 if ! cmake --build "${build_args[@]}" --target "${benches[@]}"; then
@@ -48,6 +51,10 @@ if ! cmake --build "${build_args[@]}" --target "${benches[@]}"; then
     fi
   done
   benches=("${built[@]}")
+fi
+if [[ ${#benches[@]} -eq 0 ]]; then
+  echo "run.sh: no benchmark builds; nothing measured" >&2
+  exit 1
 fi
 
 {
