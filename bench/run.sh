@@ -59,7 +59,11 @@ fi
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  # A copy made with `git archive` has no .git: KVCACHE_COMMIT names its commit then.
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo "${KVCACHE_COMMIT:-unknown}")"
+  if changed="$(git status --porcelain --untracked-files=no 2>/dev/null)" && [[ -n "$changed" ]]; then
+    echo "uncommitted changes to tracked files: $(echo "$changed" | awk '{print $2}' | tr '\n' ' ')"
+  fi
   echo "compiler: $(c++ --version | head -n 1), build tree $bin"
   echo "kernel: $(uname -sr)"
   echo "load before the run: $(cut -d ' ' -f 1-3 /proc/loadavg)"
