@@ -77,36 +77,35 @@ class LineFetcher {
         row_bytes_(row_bytes),
         rows_(rows) {}
 
-  /// Spreads the lines over `ticks` calls of tick().
-  void pace(std::size_t ticks) noexcept {
-    const std::size_t lines = rows_ * ((row_bytes_ + kLine - 1) / kLine);
-    per_tick_ = ticks == 0 ? lines : (lines + ticks - 1) / ticks;
+  /// Spreads the rows evenly over `ticks` calls of tick().
+  void pace(std::size_t ticks) noexcept { ticks_ = std::max<std::size_t>(ticks, 1); }
+  KVCACHE_ALWAYS_INLINE void tick() noexcept {
+    credit_ += rows_;  // a row is due every ticks_ / rows_ ticks
+    for (; credit_ >= ticks_ && row_ < rows_; credit_ -= ticks_) fetch_row();
   }
-  KVCACHE_ALWAYS_INLINE void tick() noexcept { issue(per_tick_); }
   /// Asks for whatever is left.
-  void finish() noexcept { issue(std::numeric_limits<std::size_t>::max()); }
+  void finish() noexcept {
+    while (row_ < rows_) fetch_row();
+  }
 
  private:
-  static constexpr std::size_t kLine = 64;
-  KVCACHE_ALWAYS_INLINE void issue(std::size_t lines) noexcept {
-    for (; lines > 0 && row_ < rows_; --lines) {
-      prefetch(keys_ + row_ * stride_ + offset_, 1);
-      prefetch(values_ + row_ * stride_ + offset_, 1);
-      offset_ += kLine;
-      if (offset_ >= row_bytes_) {
-        offset_ = 0;
-        ++row_;
-      }
+  KVCACHE_ALWAYS_INLINE void fetch_row() noexcept {
+    const char* k = keys_ + row_ * stride_;
+    const char* v = values_ + row_ * stride_;
+    for (std::size_t offset = 0; offset < row_bytes_; offset += 64) {
+      prefetch(k + offset, 1);
+      prefetch(v + offset, 1);
     }
+    ++row_;
   }
   const char* keys_;
   const char* values_;
   std::size_t stride_;
   std::size_t row_bytes_;
   std::size_t rows_;
-  std::size_t per_tick_ = 0;
+  std::size_t ticks_ = 1;
+  std::size_t credit_ = 0;
   std::size_t row_ = 0;
-  std::size_t offset_ = 0;
 };
 
 /// One work item: queries [first_query, first_query + queries) of kv head `kv_head` in batch
@@ -226,7 +225,7 @@ class AttentionKernel {
 
  private:
   static constexpr std::size_t kTargetRows = 16;    // query rows per block, shared K/V tile
-  static constexpr std::size_t kTileBytes = 32768;  // a K tile in Acc: it stays in L1 for every row
+  static constexpr std::size_t kTileBytes = 32768;  // a tile of stored K rows: it stays in L1 for every row
   static constexpr std::size_t kW = kVector<Acc>;   // keys scored at once
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
@@ -293,8 +292,11 @@ class AttentionKernel {
       for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) w.readers.push_back(r);
     }
     // The next tile's K and V rows are asked for while this one computes, a few lines per
-    // chunk of scores and per weighted V row.
-    const std::size_t next = std::min(tile_, ahead);
+    // chunk of scores and per weighted V row. When a stored byte feeds less arithmetic than
+    // two float multiply-adds per query row (one float row reading float K/V), the hardware's
+    // own prefetcher keeps up and prefetch instructions only take issue slots.
+    const bool fetch = w.readers.size() * sizeof(Acc) >= 2 * sizeof(T);
+    const std::size_t next = fetch ? std::min(tile_, ahead) : 0;
     LineFetcher fetcher(segment.keys.row(item.batch, item.kv_head, first + count),
                         segment.values.row(item.batch, item.kv_head, first + count),
                         segment.keys.strides().tokens * sizeof(T), dim_ * sizeof(T), next);
