@@ -8,6 +8,10 @@
 // it, and `vs_read` is best_bytes_per_second over it: best against best, so that other work on
 // a shared machine skews the ratio less.
 //
+// The benchmarks are built for this machine's vector width (KVCACHE_NATIVE), the tests for the
+// default one: each DecodeAttention row first checks its output against a plain softmax in
+// double, and fails (SkipWithError) when they disagree.
+//
 //   ./attention_bench --benchmark_filter='Attention|Read'
 //   KVCACHE_BENCH_SMOKE=1 ./attention_bench --benchmark_min_time=0.001   # tiny cases only
 
@@ -16,8 +20,10 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -121,6 +127,49 @@ struct DecodeSetup {
   }
 };
 
+/// The largest difference between `out` ([1, H_q, 1, D]) and softmax(q . k / sqrt(D)) v over
+/// every key of `history`, computed in double.
+template <class T>
+double reference_error(const std::vector<float>& q, const std::vector<float>& out, const kvcache::History<T>& history,
+                       std::size_t q_heads) {
+  const std::size_t group = q_heads / kKvHeads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kHeadDim));
+  double worst = 0;
+  std::vector<double> scores;
+  std::vector<double> row(kHeadDim);
+  for (std::size_t h = 0; h < q_heads; ++h) {
+    scores.clear();
+    double max = -INFINITY;
+    for (const auto& seg : history.segments) {
+      for (std::size_t j = 0; j < seg.tokens(); ++j) {
+        double dot = 0;
+        for (std::size_t d = 0; d < kHeadDim; ++d) {
+          dot += static_cast<double>(q[h * kHeadDim + d]) *
+                 static_cast<double>(static_cast<float>(seg.keys(0, h / group, j, d)));
+        }
+        scores.push_back(dot * scale);
+        max = std::max(max, dot * scale);
+      }
+    }
+    std::fill(row.begin(), row.end(), 0.0);
+    double sum = 0;
+    std::size_t i = 0;
+    for (const auto& seg : history.segments) {
+      for (std::size_t j = 0; j < seg.tokens(); ++j, ++i) {
+        const double weight = std::exp(scores[i] - max);
+        sum += weight;
+        for (std::size_t d = 0; d < kHeadDim; ++d) {
+          row[d] += weight * static_cast<double>(static_cast<float>(seg.values(0, h / group, j, d)));
+        }
+      }
+    }
+    for (std::size_t d = 0; d < kHeadDim; ++d) {
+      worst = std::max(worst, std::abs(row[d] / sum - static_cast<double>(out[h * kHeadDim + d])));
+    }
+  }
+  return worst;
+}
+
 /// Args: H_q, S, threads.
 template <class T>
 void BM_DecodeAttention(benchmark::State& state) {
@@ -134,6 +183,15 @@ void BM_DecodeAttention(benchmark::State& state) {
   const std::vector<std::int64_t> position{static_cast<std::int64_t>(tokens)};
   const kvcache::Shape shape{1, q_heads, 1, kHeadDim};
   const kvcache::AttentionOptions options{.threads = threads};
+  kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), position, setup.history,
+                            kvcache::TensorView<float>(out.data(), shape), options);
+  // Float accumulation over up to 32768 keys of values in [-0.5, 0.5].
+  if (const double error = reference_error(q, out, setup.history, q_heads); !(error <= 1e-4)) {
+    char message[96];
+    std::snprintf(message, sizeof message, "output differs from the double reference by %.3g", error);
+    state.SkipWithError(message);
+    return;
+  }
   const double read = measure_read(setup.buffers(), threads);
   double best = 0;  // seconds of the fastest call: on a shared machine, best against best
   for (auto _ : state) {
