@@ -417,6 +417,10 @@ struct Plan {
   // Full generations run only where ConcatKvCache copies at most this many bytes per iteration
   // (its cost is quadratic in N; at this machine's ~10 GB/s, 16 GB is a few seconds).
   double concat_budget_bytes = 0;
+  // Seconds each generation benchmark runs at least (0: --benchmark_min_time decides). Its
+  // largest cells take a second an iteration; more than one iteration keeps a single burst of
+  // other work on a shared machine from being the whole figure.
+  double generate_min_time = 0;
   std::size_t chunk = 0;
   Model flat_model;
   std::size_t flat_near = 0;
@@ -434,6 +438,7 @@ Plan full_plan() {
           .prefills = {0, 1024},
           .steps = {64, 256, 1024, 4096},
           .concat_budget_bytes = 16e9,
+          .generate_min_time = 2.0,
           .chunk = 512,
           // One layer: a 32k-token float KvCache of all 28 layers would be 7.5 GB.
           .flat_model = {.layers = 1, .kv_heads = 8, .head_dim = 128},
@@ -479,9 +484,11 @@ void register_type(const Plan& plan) {
     for (const std::size_t n : plan.steps) {
       const std::string cell = type + "/P:" + std::to_string(p) + "/N:" + std::to_string(n);
       const bool full_concat = concat_generation_bytes<T>(model, p, n) <= plan.concat_budget_bytes;
-      benchmark::RegisterBenchmark(("generate/" + cell).c_str(), generate<T>, model, p, n, full_concat)
-          ->UseManualTime()
-          ->Unit(benchmark::kMillisecond);
+      auto* generation =
+          benchmark::RegisterBenchmark(("generate/" + cell).c_str(), generate<T>, model, p, n, full_concat)
+              ->UseManualTime()
+              ->Unit(benchmark::kMillisecond);
+      if (plan.generate_min_time > 0) generation->MinTime(plan.generate_min_time);
       // The N-th token's update: history P + N - 1.
       benchmark::RegisterBenchmark(("decode_step/" + cell).c_str(), decode_step<T>, model, p + n - 1, p, n)
           ->UseManualTime()
