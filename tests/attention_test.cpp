@@ -16,6 +16,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvcache/kvcache.hpp"
@@ -173,6 +174,9 @@ const std::vector<Case> kCases = {
     {2, 2, 2, 64, 1, 129, {64, 2}, {100, 0}, 0, 0.0F},
     {1, 1, 2, 128, 64, 700, {100, 4}, {256, 4}, 70, 0.5F},
     {1, 2, 4, 32, 1, 1500, {}, {}, 0, 8.0F},  // peaked softmax: exercises the running max
+    // Head dims that are not a whole number of vector registers at any width: the tails.
+    {1, 2, 2, 40, 3, 150, {}, {}, 0, 0.0F},
+    {1, 1, 4, 7, 1, 90, {}, {20, 2}, 3, 0.0F},
 };
 
 template <class T>
@@ -493,6 +497,33 @@ TEST(AttentionViews, AcceptsConstAndMutableViewsAndVectors) {
   EXPECT_EQ(a, b);
   EXPECT_EQ(a, c);
   EXPECT_NE(a[0], 0.0F);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shuffle tree that sums W dot products at once, on the compiler's vector registers and on
+// the plain arrays that stand in for them elsewhere, at every width.
+
+template <class V, std::size_t W>
+void expect_transpose_sum() {
+  V a[W];
+  for (std::size_t i = 0; i < W; ++i)
+    for (std::size_t l = 0; l < W; ++l) a[i][l] = static_cast<std::remove_cvref_t<decltype(a[0][0])>>(i * 100 + l);
+  V ordered[W];
+  for (std::size_t l = 0; l < W; ++l) ordered[l] = a[detail::reverse_bits(l, W)];
+  const V sums = detail::transpose_sum<W, W / 2>(ordered);
+  for (std::size_t k = 0; k < W; ++k) {
+    EXPECT_EQ(static_cast<double>(sums[k]), static_cast<double>(k * 100 * W + W * (W - 1) / 2))
+        << "W " << W << " key " << k;
+  }
+}
+
+TEST(AttentionMath, TransposeSumPutsKeyKInLaneK) {
+  expect_transpose_sum<detail::Vector<float>, detail::kVector<float>>();
+  expect_transpose_sum<detail::Vector<double>, detail::kVector<double>>();
+  expect_transpose_sum<detail::LoopVector<float, 4>, 4>();
+  expect_transpose_sum<detail::LoopVector<float, 8>, 8>();
+  expect_transpose_sum<detail::LoopVector<float, 16>, 16>();
+  expect_transpose_sum<detail::LoopVector<double, 2>, 2>();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -38,26 +38,9 @@ inline constexpr std::size_t kVector = kVectorBytes / sizeof(Acc);
 /// operands: AVX-512 has 32 registers, SSE2 and AVX2 have 16.
 inline constexpr std::size_t kAccumulators = kVectorBytes == 64 ? 16 : 8;
 
-#if defined(__GNUC__) || defined(__clang__)
-#define KVCACHE_VECTOR_EXTENSIONS 1
-/// E[kVectorBytes / sizeof(E)] as one register: GCC/Clang vector extensions.
-template <class E>
-struct VectorOf;
-template <>
-struct VectorOf<float> {
-  using type = float __attribute__((vector_size(kVectorBytes)));
-};
-template <>
-struct VectorOf<double> {
-  using type = double __attribute__((vector_size(kVectorBytes)));
-};
-template <>
-struct VectorOf<std::uint32_t> {
-  using type = std::uint32_t __attribute__((vector_size(kVectorBytes)));
-};
-#else
-#define KVCACHE_VECTOR_EXTENSIONS 0
-/// Elsewhere, an array with element-wise operators: the same results, left to the optimizer.
+/// A vector register as an array with element-wise operators: what Vector is where GCC/Clang
+/// vector extensions are missing (the same results, left to the optimizer), and what the tests
+/// run the shuffles on to check that path.
 template <class E, std::size_t W>
 struct LoopVector {
   E lane[W];
@@ -81,6 +64,26 @@ struct LoopVector {
     return a;
   }
 };
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KVCACHE_VECTOR_EXTENSIONS 1
+/// E[kVectorBytes / sizeof(E)] as one register: GCC/Clang vector extensions.
+template <class E>
+struct VectorOf;
+template <>
+struct VectorOf<float> {
+  using type = float __attribute__((vector_size(kVectorBytes)));
+};
+template <>
+struct VectorOf<double> {
+  using type = double __attribute__((vector_size(kVectorBytes)));
+};
+template <>
+struct VectorOf<std::uint32_t> {
+  using type = std::uint32_t __attribute__((vector_size(kVectorBytes)));
+};
+#else
+#define KVCACHE_VECTOR_EXTENSIONS 0
 template <class E>
 struct VectorOf {
   using type = LoopVector<E, kVectorBytes / sizeof(E)>;
@@ -112,13 +115,13 @@ inline void store_vector(E* p, const V& v) noexcept {
 
 template <class Acc>
 inline Vector<Acc> splat(Acc x) noexcept {
-#if KVCACHE_VECTOR_EXTENSIONS
-  return x - Vector<Acc>{};  // the scalar is broadcast; x - 0 is x, so no add is left
-#else
-  Vector<Acc> v;
-  for (std::size_t i = 0; i < kVector<Acc>; ++i) v[i] = x;
-  return v;
-#endif
+  if constexpr (std::is_class_v<Vector<Acc>>) {
+    Vector<Acc> v;
+    for (std::size_t i = 0; i < kVector<Acc>; ++i) v[i] = x;
+    return v;
+  } else {
+    return x - Vector<Acc>{};  // the scalar is broadcast; x - 0 is x, so no add is left
+  }
 }
 
 /// Converts n stored values to the accumulation type.
@@ -205,16 +208,19 @@ constexpr int pair_lane(std::size_t w, std::size_t h, bool high, std::size_t l) 
 
 template <std::size_t H, bool High, class V, std::size_t... L>
 inline V pick_halves(const V& x, const V& y, std::index_sequence<L...>) noexcept {
+  constexpr std::size_t W = sizeof...(L);
+  if constexpr (std::is_class_v<V>) {
+    V out;
+    for (std::size_t l = 0; l < W; ++l) {
+      const auto from = static_cast<std::size_t>(pair_lane(W, H, High, l));
+      out[l] = from < W ? x[from] : y[from - W];
+    }
+    return out;
+  } else {
 #if KVCACHE_VECTOR_EXTENSIONS
-  return __builtin_shufflevector(x, y, pair_lane(sizeof...(L), H, High, L)...);
-#else
-  V out;
-  ((out[L] = pair_lane(sizeof...(L), H, High, L) < static_cast<int>(sizeof...(L))
-                 ? x[static_cast<std::size_t>(pair_lane(sizeof...(L), H, High, L))]
-                 : y[static_cast<std::size_t>(pair_lane(sizeof...(L), H, High, L)) - sizeof...(L)]),
-   ...);
-  return out;
+    return __builtin_shufflevector(x, y, pair_lane(W, H, High, L)...);
 #endif
+  }
 }
 
 /// The index whose log2(w) low bits are those of i reversed.
