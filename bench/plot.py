@@ -343,12 +343,15 @@ def plot_attention(attention, out):
         xs = sorted({p[0] for pts in series.values() for p in pts if p[0] is not None})
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [f"{x:,}" for x in xs])
-        ax.set_ylim(bottom=0)
         ax.set_xlabel("history length S (keys)")
         ax.set_ylabel("K + V bytes read per second (GB/s)")
         ax.set_title(f"threads = {threads}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
+    # The panels share their y axis: scale it to the largest rate of any panel, from zero.
+    top = max(p[1] for series, baseline in panels.values() for group in (series, baseline) for pts in group.values()
+              for p in pts)
+    axes[0][0].set_ylim(0, top / 1e9 * 1.08)
     fig.suptitle("Decode attention (T = 1) against the plain read bandwidth of the same bytes")
     fig.tight_layout()
     path = out / "attention_bandwidth.png"
