@@ -69,11 +69,15 @@ class VisibilityRule {
 /// tile's arithmetic, memory keeps streaming and never holds more requests than it can serve.
 class LineFetcher {
  public:
-  LineFetcher(const void* keys, const void* values, std::size_t stride_bytes, std::size_t row_bytes,
-              std::size_t rows) noexcept
+  LineFetcher() noexcept = default;
+  /// `rows` rows of `row_bytes` from `keys` and from `values`, `key_stride` and `value_stride`
+  /// bytes apart.
+  LineFetcher(const void* keys, std::size_t key_stride, const void* values, std::size_t value_stride,
+              std::size_t row_bytes, std::size_t rows) noexcept
       : keys_(static_cast<const char*>(keys)),
         values_(static_cast<const char*>(values)),
-        stride_(stride_bytes),
+        key_stride_(key_stride),
+        value_stride_(value_stride),
         row_bytes_(row_bytes),
         rows_(rows) {}
 
@@ -90,19 +94,20 @@ class LineFetcher {
 
  private:
   KVCACHE_ALWAYS_INLINE void fetch_row() noexcept {
-    const char* k = keys_ + row_ * stride_;
-    const char* v = values_ + row_ * stride_;
+    const char* k = keys_ + row_ * key_stride_;
+    const char* v = values_ + row_ * value_stride_;
     for (std::size_t offset = 0; offset < row_bytes_; offset += 64) {
       prefetch(k + offset, 1);
       prefetch(v + offset, 1);
     }
     ++row_;
   }
-  const char* keys_;
-  const char* values_;
-  std::size_t stride_;
-  std::size_t row_bytes_;
-  std::size_t rows_;
+  const char* keys_ = nullptr;
+  const char* values_ = nullptr;
+  std::size_t key_stride_ = 0;
+  std::size_t value_stride_ = 0;
+  std::size_t row_bytes_ = 0;
+  std::size_t rows_ = 0;
   std::size_t ticks_ = 1;
   std::size_t credit_ = 0;
   std::size_t row_ = 0;
@@ -291,22 +296,25 @@ class AttentionKernel {
       if (w.covers[t] == Cover::kNone) continue;
       for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) w.readers.push_back(r);
     }
-    // The next tile's K and V rows are asked for while this one computes, a few lines per
-    // chunk of scores and per weighted V row. When a stored byte feeds less arithmetic than
-    // two float multiply-adds per query row (one float row reading float K/V), the hardware's
-    // own prefetcher keeps up and prefetch instructions only take issue slots.
+    // The next tile's K and V rows are asked for while this one computes, a row at a time
+    // spread over the chunks of scores and the weighted V rows. With the least arithmetic per
+    // byte (one float row over float K and V) the hardware prefetcher keeps up by itself, and
+    // prefetch instructions only cost issue slots (measured on an AVX-512 AMD EPYC).
     const bool fetch = w.readers.size() * sizeof(Acc) >= 2 * sizeof(T);
     const std::size_t next = fetch ? std::min(tile_, ahead) : 0;
-    LineFetcher fetcher(segment.keys.row(item.batch, item.kv_head, first + count),
-                        segment.values.row(item.batch, item.kv_head, first + count),
-                        segment.keys.strides().tokens * sizeof(T), dim_ * sizeof(T), next);
+    LineFetcher fetcher;
+    if (next > 0) {
+      fetcher = LineFetcher(segment.keys.row(item.batch, item.kv_head, first + count),
+                            segment.keys.strides().tokens * sizeof(T),
+                            segment.values.row(item.batch, item.kv_head, first + count),
+                            segment.values.strides().tokens * sizeof(T), dim_ * sizeof(T), next);
+    }
     {
+      // tick()s to come: one per chunk of scores (score), one per V row per group (accumulate).
       const std::size_t n = w.readers.size();
-      const std::size_t by4 = kW % 4 == 0 ? n / 4 : 0;
-      const std::size_t by2 = kW % 2 == 0 ? (n - 4 * by4) / 2 : 0;
-      const std::size_t by1 = n - 4 * by4 - 2 * by2;
+      const std::size_t pairs = kW % 2 == 0 ? n / 2 : 0;
       const auto chunks = [&](std::size_t keys) { return (count + keys - 1) / keys; };
-      const std::size_t scoring = (2 * by4 + by2) * chunks(kW / 2) + by1 * chunks(kW);
+      const std::size_t scoring = pairs * chunks(kW / 2) + (n - 2 * pairs) * chunks(kW);
       fetcher.pace(scoring + (n / 4 + n % 4 / 2 + n % 2) * count);
     }
     with_rows(segment.keys, item, first, count, w.keys, [&](const Stored* keys, std::size_t stride) {
