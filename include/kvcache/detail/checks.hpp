@@ -10,6 +10,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvcache/config.hpp"
@@ -34,9 +35,9 @@ inline std::string expected_given(const std::string& what, std::size_t expected,
 }
 
 /// Checks the fields every variant needs and returns the geometry they describe.
-inline Geometry check_config(const std::string& cache, const KvCacheConfig& c) {
+inline Geometry check_config(std::string_view cache, const KvCacheConfig& c) {
   auto require_positive = [&](const char* field, std::size_t value) {
-    if (value == 0) throw std::invalid_argument(cache + ": config." + field + ": expected > 0, given 0");
+    if (value == 0) throw std::invalid_argument(std::string(cache) + ": config." + field + ": expected > 0, given 0");
   };
   require_positive("layers", c.layers);
   require_positive("batch", c.batch);
@@ -46,34 +47,36 @@ inline Geometry check_config(const std::string& cache, const KvCacheConfig& c) {
 }
 
 /// Checks a config for a cache that keeps every position (no window, sinks or slack).
-inline Geometry check_dense_config(const std::string& cache, const KvCacheConfig& c) {
+inline Geometry check_dense_config(std::string_view cache, const KvCacheConfig& c) {
   const Geometry g = check_config(cache, c);
-  if (c.capacity == 0) throw std::invalid_argument(cache + ": config.capacity: expected > 0, given 0");
+  if (c.capacity == 0) throw std::invalid_argument(std::string(cache) + ": config.capacity: expected > 0, given 0");
   if (c.window != 0 || c.sinks != 0 || c.slack != 0) {
-    throw std::invalid_argument(cache + ": config.window/sinks/slack: expected 0 (this cache keeps every position; " +
+    throw std::invalid_argument(std::string(cache) +
+                                ": config.window/sinks/slack: expected 0 (this cache keeps every position; " +
                                 "use RingKvCache for a window), given " + std::to_string(c.window) + "/" +
                                 std::to_string(c.sinks) + "/" + std::to_string(c.slack));
   }
   return g;
 }
 
-inline void check_layer(const std::string& call, std::size_t layer, std::size_t layers) {
+inline void check_layer(std::string_view call, std::size_t layer, std::size_t layers) {
   if (layer >= layers) {
-    throw std::out_of_range(expected_given(call + ": layer", "< " + std::to_string(layers), std::to_string(layer)));
+    throw std::out_of_range(
+        expected_given(std::string(call) + ": layer", "< " + std::to_string(layers), std::to_string(layer)));
   }
 }
 
 /// Validates one update's arguments against the cache's geometry, `length` tokens already in
 /// `layer`, and the most tokens the layer may reach.
 template <class T>
-void check_update(const std::string& call, const Geometry& g, std::size_t layer, const TensorView<const T>& k,
+void check_update(std::string_view call, const Geometry& g, std::size_t layer, const TensorView<const T>& k,
                   const TensorView<const T>& v, std::span<const std::int64_t> positions, std::size_t length,
                   std::size_t capacity) {
   check_layer(call, layer, g.layers);
   const auto check_dim = [&](const char* name, const char* dim, std::size_t expected, std::size_t given) {
     if (expected != given) {
-      throw std::invalid_argument(expected_given(call + ": " + name + " " + dim, expected, given) + " (shape " +
-                                  (name[0] == 'k' ? k : v).shape().str() + ")");
+      throw std::invalid_argument(expected_given(std::string(call) + ": " + name + " " + dim, expected, given) +
+                                  " (shape " + (name[0] == 'k' ? k : v).shape().str() + ")");
     }
   };
   check_dim("k", "batch", g.batch, k.batch());
@@ -81,28 +84,30 @@ void check_update(const std::string& call, const Geometry& g, std::size_t layer,
   check_dim("k", "head_dim", g.head_dim, k.head_dim());
   if (v.shape() != k.shape()) {
     throw std::invalid_argument(
-        expected_given(call + ": v shape", k.shape().str() + " (the shape of k)", v.shape().str()));
+        expected_given(std::string(call) + ": v shape", k.shape().str() + " (the shape of k)", v.shape().str()));
   }
   const std::size_t tokens = k.tokens();
   if (positions.size() != tokens) {
-    throw std::invalid_argument(expected_given(call + ": positions count", "k's tokens " + std::to_string(tokens),
+    throw std::invalid_argument(expected_given(std::string(call) + ": positions count",
+                                               "k's tokens " + std::to_string(tokens),
                                                std::to_string(positions.size())));
   }
   if (tokens != 0 && (k.data() == nullptr || v.data() == nullptr)) {
-    throw std::invalid_argument(call + ": k and v data: expected non-null pointers for " + std::to_string(tokens) +
-                                " tokens, given null");
+    throw std::invalid_argument(std::string(call) + ": k and v data: expected non-null pointers for " +
+                                std::to_string(tokens) + " tokens, given null");
   }
   for (std::size_t i = 0; i < tokens; ++i) {
     const auto expected = static_cast<std::int64_t>(length + i);
     if (positions[i] != expected) {
-      throw std::invalid_argument(expected_given(call + ": positions[" + std::to_string(i) + "]",
+      throw std::invalid_argument(expected_given(std::string(call) + ": positions[" + std::to_string(i) + "]",
                                                  std::to_string(expected) + " (layer " + std::to_string(layer) +
                                                      " holds " + std::to_string(length) + " tokens)",
                                                  std::to_string(positions[i])));
     }
   }
   if (tokens > capacity - length) {
-    throw std::length_error(expected_given(call + ": tokens after update", "<= capacity " + std::to_string(capacity),
+    throw std::length_error(expected_given(std::string(call) + ": tokens after update",
+                                           "<= capacity " + std::to_string(capacity),
                                            std::to_string(length) + " + " + std::to_string(tokens)));
   }
 }
@@ -119,7 +124,7 @@ class LayerLengths {
   [[nodiscard]] std::size_t min() const noexcept { return *std::min_element(lengths_.begin(), lengths_.end()); }
 
   /// The common length; throws std::runtime_error naming the layers when they disagree.
-  [[nodiscard]] std::size_t common(const std::string& call) const {
+  [[nodiscard]] std::size_t common(std::string_view call) const {
     const std::size_t first = lengths_.front();
     if (std::all_of(lengths_.begin(), lengths_.end(), [&](std::size_t n) { return n == first; })) return first;
     std::string runs;
@@ -132,16 +137,17 @@ class LayerLengths {
               " hold " + std::to_string(lengths_[begin]);
       begin = end + 1;
     }
-    throw std::runtime_error(call + ": layers disagree (a forward pass stopped part-way): expected every layer " +
+    throw std::runtime_error(std::string(call) +
+                             ": layers disagree (a forward pass stopped part-way): expected every layer " +
                              "to hold the same number of tokens, given " + runs + "; truncate() or reset() repairs it");
   }
 
   /// Checks a truncate target: at most what every layer holds.
-  void check_truncate(const std::string& call, std::size_t length) const {
+  void check_truncate(std::string_view call, std::size_t length) const {
     const std::size_t held = min();
     if (length > held) {
-      throw std::out_of_range(
-          expected_given(call + ": length", "<= " + std::to_string(held) + " (tokens held)", std::to_string(length)));
+      throw std::out_of_range(expected_given(std::string(call) + ": length",
+                                             "<= " + std::to_string(held) + " (tokens held)", std::to_string(length)));
     }
   }
 
