@@ -11,6 +11,7 @@
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
 #include "kvcache/detail/aligned_buffer.hpp"
+#include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/copy.hpp"
 #include "kvcache/views.hpp"
@@ -25,22 +26,20 @@ namespace kvcache {
 ///   kvcache::ConcatKvCache<float> cache({.layers = 4, .kv_heads = 2, .head_dim = 32, .capacity = 1024});
 ///   auto history = cache.update(layer, k, v, positions);
 template <class T>
-class ConcatKvCache {
+class ConcatKvCache : public detail::CacheBase {
  public:
   using value_type = T;
 
   /// Allocates nothing yet; throws std::invalid_argument for a zero size or ring fields.
   explicit ConcatKvCache(const KvCacheConfig& config)
-      : geometry_(detail::check_dense_config("ConcatKvCache", config)),
+      : CacheBase("ConcatKvCache", detail::check_dense_config("ConcatKvCache", config)),
         capacity_(config.capacity),
-        layers_(geometry_.layers),
-        lengths_(geometry_.layers) {}
+        layers_(layers()) {}
 
   /// Same contract as KvCache::update; reallocates the layer's K and V every time.
   History<T> update(std::size_t layer, TensorView<const T> k, TensorView<const T> v,
                     std::span<const std::int64_t> positions) {
-    const std::size_t length = lengths_[layer < geometry_.layers ? layer : 0];
-    detail::check_update("ConcatKvCache::update", geometry_, layer, k, v, positions, length, capacity_);
+    const std::size_t length = check_update(layer, k, v, positions, capacity_);
     Layer& old = layers_[layer];
     const std::size_t total = length + k.tokens();
     Layer grown{detail::AlignedBuffer<T>(elements(total), false), detail::AlignedBuffer<T>(elements(total), false),
@@ -52,21 +51,12 @@ class ConcatKvCache {
     detail::copy_block(v, view(grown.values, total).tokens(length, v.tokens()));
     std::iota(grown.positions.begin(), grown.positions.end(), std::int64_t{0});
     old = std::move(grown);
-    lengths_.set(layer, total);
+    set_length(layer, total);
     old.segment = Segment<T>{view(old.keys, total), view(old.values, total), old.positions};
     return {std::span<const Segment<T>>(&old.segment, 1)};
   }
 
-  [[nodiscard]] std::size_t length() const { return lengths_.common("ConcatKvCache::length"); }
-  [[nodiscard]] std::size_t length(std::size_t layer) const {
-    detail::check_layer("ConcatKvCache::length", layer, geometry_.layers);
-    return lengths_[layer];
-  }
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
-  [[nodiscard]] std::size_t layers() const noexcept { return geometry_.layers; }
-  [[nodiscard]] std::size_t batch() const noexcept { return geometry_.batch; }
-  [[nodiscard]] std::size_t kv_heads() const noexcept { return geometry_.kv_heads; }
-  [[nodiscard]] std::size_t head_dim() const noexcept { return geometry_.head_dim; }
   /// Bytes allocated for K and V now (grows with the sequence).
   [[nodiscard]] std::size_t bytes() const noexcept {
     std::size_t total = 0;
@@ -76,10 +66,10 @@ class ConcatKvCache {
 
   /// Forgets everything after `length` tokens; the buffers keep their size until the next update.
   void truncate(std::size_t length) {
-    lengths_.check_truncate("ConcatKvCache::truncate", length);
-    lengths_.set_all(length);
+    check_truncate(length);
+    set_all_lengths(length);
   }
-  void reset() noexcept { lengths_.set_all(0); }
+  void reset() noexcept { set_all_lengths(0); }
 
  private:
   struct Layer {
@@ -91,16 +81,14 @@ class ConcatKvCache {
   };
 
   [[nodiscard]] std::size_t elements(std::size_t tokens) const noexcept {
-    return geometry_.batch * geometry_.kv_heads * tokens * geometry_.head_dim;
+    return batch() * kv_heads() * tokens * head_dim();
   }
   [[nodiscard]] TensorView<T> view(detail::AlignedBuffer<T>& buffer, std::size_t tokens) const noexcept {
-    return {buffer.data(), {geometry_.batch, geometry_.kv_heads, tokens, geometry_.head_dim}};
+    return {buffer.data(), {batch(), kv_heads(), tokens, head_dim()}};
   }
 
-  detail::Geometry geometry_;
   std::size_t capacity_;
   std::vector<Layer> layers_;
-  detail::LayerLengths lengths_;
 };
 
 static_assert(kv_cache_protocol<ConcatKvCache<float>>);

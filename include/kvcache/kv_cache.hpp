@@ -11,6 +11,7 @@
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
 #include "kvcache/detail/aligned_buffer.hpp"
+#include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/copy.hpp"
 #include "kvcache/views.hpp"
@@ -27,19 +28,18 @@ namespace kvcache {
 ///     kvcache::causal_attention(q, positions, history, out);
 ///   }
 template <class T>
-class KvCache {
+class KvCache : public detail::CacheBase {
  public:
   using value_type = T;
 
   /// Allocates every layer's K and V; throws std::invalid_argument for a zero size or ring fields.
   explicit KvCache(const KvCacheConfig& config)
-      : geometry_(detail::check_dense_config("KvCache", config)),
+      : CacheBase("KvCache", detail::check_dense_config("KvCache", config)),
         capacity_(config.capacity),
-        keys_(layer_elements() * geometry_.layers),
-        values_(layer_elements() * geometry_.layers),
+        keys_(layer_elements() * layers()),
+        values_(layer_elements() * layers()),
         positions_(capacity_),
-        segments_(geometry_.layers),
-        lengths_(geometry_.layers) {
+        segments_(layers()) {
     std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
   }
 
@@ -48,56 +48,39 @@ class KvCache {
   /// (shapes, positions) or std::length_error (capacity); the cache is unchanged then.
   History<T> update(std::size_t layer, TensorView<const T> k, TensorView<const T> v,
                     std::span<const std::int64_t> positions) {
-    const std::size_t start = lengths_[layer < geometry_.layers ? layer : 0];
-    detail::check_update("KvCache::update", geometry_, layer, k, v, positions, start, capacity_);
+    const std::size_t start = check_update(layer, k, v, positions, capacity_);
     detail::copy_block(k, storage(keys_, layer).tokens(start, k.tokens()));
     detail::copy_block(v, storage(values_, layer).tokens(start, v.tokens()));
     const std::size_t end = start + k.tokens();
-    lengths_.set(layer, end);
+    set_length(layer, end);
     segments_[layer] = Segment<T>{storage(keys_, layer).tokens(0, end), storage(values_, layer).tokens(0, end),
                                   std::span<const std::int64_t>(positions_.data(), end)};
     return {std::span<const Segment<T>>(&segments_[layer], 1)};
   }
 
-  /// Tokens held by every layer; std::runtime_error naming the layers if they disagree.
-  [[nodiscard]] std::size_t length() const { return lengths_.common("KvCache::length"); }
-  /// Tokens held by one layer; std::out_of_range for a bad layer.
-  [[nodiscard]] std::size_t length(std::size_t layer) const {
-    detail::check_layer("KvCache::length", layer, geometry_.layers);
-    return lengths_[layer];
-  }
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
-  [[nodiscard]] std::size_t layers() const noexcept { return geometry_.layers; }
-  [[nodiscard]] std::size_t batch() const noexcept { return geometry_.batch; }
-  [[nodiscard]] std::size_t kv_heads() const noexcept { return geometry_.kv_heads; }
-  [[nodiscard]] std::size_t head_dim() const noexcept { return geometry_.head_dim; }
   /// Bytes allocated for K and V.
   [[nodiscard]] std::size_t bytes() const noexcept { return keys_.bytes() + values_.bytes(); }
 
   /// Forgets everything after `length` tokens in every layer, copying nothing (rollback; also
   /// repairs a forward pass stopped part-way). std::out_of_range if a layer holds fewer.
   void truncate(std::size_t length) {
-    lengths_.check_truncate("KvCache::truncate", length);
-    lengths_.set_all(length);
+    check_truncate(length);
+    set_all_lengths(length);
   }
-  void reset() noexcept { lengths_.set_all(0); }
+  void reset() noexcept { set_all_lengths(0); }
 
  private:
-  [[nodiscard]] std::size_t layer_elements() const noexcept {
-    return geometry_.batch * geometry_.kv_heads * capacity_ * geometry_.head_dim;
-  }
+  [[nodiscard]] std::size_t layer_elements() const noexcept { return batch() * kv_heads() * capacity_ * head_dim(); }
   [[nodiscard]] TensorView<T> storage(detail::AlignedBuffer<T>& buffer, std::size_t layer) noexcept {
-    return {buffer.data() + layer * layer_elements(),
-            {geometry_.batch, geometry_.kv_heads, capacity_, geometry_.head_dim}};
+    return {buffer.data() + layer * layer_elements(), {batch(), kv_heads(), capacity_, head_dim()}};
   }
 
-  detail::Geometry geometry_;
   std::size_t capacity_;
   detail::AlignedBuffer<T> keys_;
   detail::AlignedBuffer<T> values_;
   std::vector<std::int64_t> positions_;  // 0, 1, ..., capacity - 1: every layer's key positions
   std::vector<Segment<T>> segments_;     // per layer, what the last update returned
-  detail::LayerLengths lengths_;
 };
 
 static_assert(kv_cache_protocol<KvCache<float>>);

@@ -16,6 +16,7 @@
 #include "kvcache/config.hpp"
 #include "kvcache/detail/aligned_buffer.hpp"
 #include "kvcache/detail/assert.hpp"
+#include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/copy.hpp"
 #include "kvcache/views.hpp"
@@ -36,21 +37,20 @@ namespace kvcache {
 ///   auto history = cache.update(layer, k, v, positions);  // up to 4 segments
 ///   kvcache::causal_attention(q, positions, history, out);
 template <class T>
-class RingKvCache {
+class RingKvCache : public detail::CacheBase {
  public:
   using value_type = T;
 
   /// Allocates the ring; throws std::invalid_argument for a zero size or a zero window.
   explicit RingKvCache(const KvCacheConfig& config)
-      : geometry_(detail::check_config("RingKvCache", config)),
+      : CacheBase("RingKvCache", detail::check_config("RingKvCache", config)),
         window_(config.window),
         sinks_(config.sinks),
         ring_(config.window + config.slack),
-        capacity_(config.capacity == 0 ? std::numeric_limits<std::size_t>::max() : config.capacity),
-        lengths_(geometry_.layers) {
+        capacity_(config.capacity == 0 ? std::numeric_limits<std::size_t>::max() : config.capacity) {
     if (window_ == 0) throw std::invalid_argument("RingKvCache: config.window: expected > 0, given 0");
-    layers_.reserve(geometry_.layers);
-    for (std::size_t l = 0; l < geometry_.layers; ++l) {
+    layers_.reserve(layers());
+    for (std::size_t l = 0; l < layers(); ++l) {
       layers_.push_back(Layer{detail::AlignedBuffer<T>(elements(slots())), detail::AlignedBuffer<T>(elements(slots())),
                               std::vector<std::int64_t>(slots(), -1)});
     }
@@ -62,8 +62,7 @@ class RingKvCache {
   /// (shapes, positions) or std::length_error (capacity); the cache is unchanged then.
   History<T> update(std::size_t layer, TensorView<const T> k, TensorView<const T> v,
                     std::span<const std::int64_t> positions) {
-    const std::size_t length = lengths_[layer < geometry_.layers ? layer : 0];
-    detail::check_update("RingKvCache::update", geometry_, layer, k, v, positions, length, capacity_);
+    const std::size_t length = check_update(layer, k, v, positions, capacity_);
     Layer& state = layers_[layer];
     const std::size_t tokens = k.tokens();
     // Writing position p overwrites p - ring: safe while that is older than the chunk's first
@@ -81,21 +80,12 @@ class RingKvCache {
       detail::copy_block(v, staging_view(state.staging.values, state.staging.tokens).tokens(0, tokens));
       std::copy(positions.begin(), positions.end(), state.staging.positions.begin());
     }
-    lengths_.set(layer, length + tokens);
+    set_length(layer, length + tokens);
     return history(state, length + tokens);
   }
 
-  [[nodiscard]] std::size_t length() const { return lengths_.common("RingKvCache::length"); }
-  [[nodiscard]] std::size_t length(std::size_t layer) const {
-    detail::check_layer("RingKvCache::length", layer, geometry_.layers);
-    return lengths_[layer];
-  }
   /// The most tokens a sequence may reach (config.capacity, or unbounded).
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
-  [[nodiscard]] std::size_t layers() const noexcept { return geometry_.layers; }
-  [[nodiscard]] std::size_t batch() const noexcept { return geometry_.batch; }
-  [[nodiscard]] std::size_t kv_heads() const noexcept { return geometry_.kv_heads; }
-  [[nodiscard]] std::size_t head_dim() const noexcept { return geometry_.head_dim; }
   [[nodiscard]] std::size_t window() const noexcept { return window_; }
   [[nodiscard]] std::size_t sinks() const noexcept { return sinks_; }
   /// Positions the ring stores per layer: sinks + window + slack.
@@ -113,7 +103,7 @@ class RingKvCache {
   /// guarantees for rollbacks of up to slack + 1 tokens after a single-token update; throws
   /// std::out_of_range otherwise, leaving the cache unchanged.
   void truncate(std::size_t length) {
-    lengths_.check_truncate("RingKvCache::truncate", length);
+    check_truncate(length);
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       // A query at `length` reads the positions [needed_from, length), sinks aside.
       const std::size_t held_from = std::max(sinks_, layers_[l].oldest);
@@ -131,12 +121,12 @@ class RingKvCache {
       state.stored_end = std::min(state.stored_end, length);
       state.oldest = std::min(state.oldest, length);
     }
-    lengths_.set_all(length);
+    set_all_lengths(length);
   }
 
   void reset() noexcept {
     for (Layer& state : layers_) state.stored_end = state.oldest = 0;
-    lengths_.set_all(0);
+    set_all_lengths(0);
   }
 
  private:
@@ -161,13 +151,13 @@ class RingKvCache {
   };
 
   [[nodiscard]] std::size_t elements(std::size_t tokens) const noexcept {
-    return geometry_.batch * geometry_.kv_heads * tokens * geometry_.head_dim;
+    return batch() * kv_heads() * tokens * head_dim();
   }
   [[nodiscard]] TensorView<T> slot_view(detail::AlignedBuffer<T>& buffer) const noexcept {
-    return {buffer.data(), {geometry_.batch, geometry_.kv_heads, slots(), geometry_.head_dim}};
+    return {buffer.data(), {batch(), kv_heads(), slots(), head_dim()}};
   }
   [[nodiscard]] TensorView<T> staging_view(detail::AlignedBuffer<T>& buffer, std::size_t tokens) const noexcept {
-    return {buffer.data(), {geometry_.batch, geometry_.kv_heads, tokens, geometry_.head_dim}};
+    return {buffer.data(), {batch(), kv_heads(), tokens, head_dim()}};
   }
   [[nodiscard]] std::size_t slot_of(std::size_t position) const noexcept {
     return position < sinks_ ? position : sinks_ + (position - sinks_) % ring_;
@@ -234,13 +224,11 @@ class RingKvCache {
     return {std::span<const Segment<T>>(state.segments.data(), count), window_, sinks_};
   }
 
-  detail::Geometry geometry_;
   std::size_t window_;
   std::size_t sinks_;
   std::size_t ring_;  // window + slack: slots after the sinks
   std::size_t capacity_;
   std::vector<Layer> layers_;
-  detail::LayerLengths lengths_;
 };
 
 static_assert(kv_cache_protocol<RingKvCache<float>>);

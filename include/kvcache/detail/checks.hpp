@@ -67,16 +67,17 @@ inline void check_layer(std::string_view call, std::size_t layer, std::size_t la
 }
 
 /// Validates one update's arguments against the cache's geometry, `length` tokens already in
-/// `layer`, and the most tokens the layer may reach.
+/// `layer`, and the most tokens the layer may reach. Messages start "<cache>::update".
 template <class T>
-void check_update(std::string_view call, const Geometry& g, std::size_t layer, const TensorView<const T>& k,
+void check_update(std::string_view cache, const Geometry& g, std::size_t layer, const TensorView<const T>& k,
                   const TensorView<const T>& v, std::span<const std::int64_t> positions, std::size_t length,
                   std::size_t capacity) {
-  check_layer(call, layer, g.layers);
+  const auto call = [&] { return std::string(cache) + "::update"; };  // built only for a message
+  if (layer >= g.layers) check_layer(call(), layer, g.layers);
   const auto check_dim = [&](const char* name, const char* dim, std::size_t expected, std::size_t given) {
     if (expected != given) {
-      throw std::invalid_argument(expected_given(std::string(call) + ": " + name + " " + dim, expected, given) +
-                                  " (shape " + (name[0] == 'k' ? k : v).shape().str() + ")");
+      throw std::invalid_argument(expected_given(call() + ": " + name + " " + dim, expected, given) + " (shape " +
+                                  (name[0] == 'k' ? k : v).shape().str() + ")");
     }
   };
   check_dim("k", "batch", g.batch, k.batch());
@@ -84,75 +85,30 @@ void check_update(std::string_view call, const Geometry& g, std::size_t layer, c
   check_dim("k", "head_dim", g.head_dim, k.head_dim());
   if (v.shape() != k.shape()) {
     throw std::invalid_argument(
-        expected_given(std::string(call) + ": v shape", k.shape().str() + " (the shape of k)", v.shape().str()));
+        expected_given(call() + ": v shape", k.shape().str() + " (the shape of k)", v.shape().str()));
   }
   const std::size_t tokens = k.tokens();
   if (positions.size() != tokens) {
-    throw std::invalid_argument(expected_given(std::string(call) + ": positions count",
-                                               "k's tokens " + std::to_string(tokens),
+    throw std::invalid_argument(expected_given(call() + ": positions count", "k's tokens " + std::to_string(tokens),
                                                std::to_string(positions.size())));
   }
   if (tokens != 0 && (k.data() == nullptr || v.data() == nullptr)) {
-    throw std::invalid_argument(std::string(call) + ": k and v data: expected non-null pointers for " +
-                                std::to_string(tokens) + " tokens, given null");
+    throw std::invalid_argument(call() + ": k and v data: expected non-null pointers for " + std::to_string(tokens) +
+                                " tokens, given null");
   }
   for (std::size_t i = 0; i < tokens; ++i) {
     const auto expected = static_cast<std::int64_t>(length + i);
     if (positions[i] != expected) {
-      throw std::invalid_argument(expected_given(std::string(call) + ": positions[" + std::to_string(i) + "]",
+      throw std::invalid_argument(expected_given(call() + ": positions[" + std::to_string(i) + "]",
                                                  std::to_string(expected) + " (layer " + std::to_string(layer) +
                                                      " holds " + std::to_string(length) + " tokens)",
                                                  std::to_string(positions[i])));
     }
   }
   if (tokens > capacity - length) {
-    throw std::length_error(expected_given(std::string(call) + ": tokens after update",
-                                           "<= capacity " + std::to_string(capacity),
+    throw std::length_error(expected_given(call() + ": tokens after update", "<= capacity " + std::to_string(capacity),
                                            std::to_string(length) + " + " + std::to_string(tokens)));
   }
 }
-
-/// Tokens processed into each layer. They differ only while a forward pass is part-way, or
-/// after one stopped part-way; length() refuses to guess then.
-class LayerLengths {
- public:
-  explicit LayerLengths(std::size_t layers) : lengths_(layers, 0) {}
-
-  [[nodiscard]] std::size_t operator[](std::size_t layer) const noexcept { return lengths_[layer]; }
-  void set(std::size_t layer, std::size_t length) noexcept { lengths_[layer] = length; }
-  void set_all(std::size_t length) noexcept { std::fill(lengths_.begin(), lengths_.end(), length); }
-  [[nodiscard]] std::size_t min() const noexcept { return *std::min_element(lengths_.begin(), lengths_.end()); }
-
-  /// The common length; throws std::runtime_error naming the layers when they disagree.
-  [[nodiscard]] std::size_t common(std::string_view call) const {
-    const std::size_t first = lengths_.front();
-    if (std::all_of(lengths_.begin(), lengths_.end(), [&](std::size_t n) { return n == first; })) return first;
-    std::string runs;
-    for (std::size_t begin = 0; begin < lengths_.size();) {
-      std::size_t end = begin;
-      while (end + 1 < lengths_.size() && lengths_[end + 1] == lengths_[begin]) ++end;
-      if (!runs.empty()) runs += ", ";
-      runs += (begin == end ? "layer " + std::to_string(begin)
-                            : "layers " + std::to_string(begin) + "-" + std::to_string(end)) +
-              " hold " + std::to_string(lengths_[begin]);
-      begin = end + 1;
-    }
-    throw std::runtime_error(std::string(call) +
-                             ": layers disagree (a forward pass stopped part-way): expected every layer " +
-                             "to hold the same number of tokens, given " + runs + "; truncate() or reset() repairs it");
-  }
-
-  /// Checks a truncate target: at most what every layer holds.
-  void check_truncate(std::string_view call, std::size_t length) const {
-    const std::size_t held = min();
-    if (length > held) {
-      throw std::out_of_range(expected_given(std::string(call) + ": length",
-                                             "<= " + std::to_string(held) + " (tokens held)", std::to_string(length)));
-    }
-  }
-
- private:
-  std::vector<std::size_t> lengths_;
-};
 
 }  // namespace kvcache::detail
