@@ -232,6 +232,9 @@ class AttentionKernel {
   static constexpr std::size_t kTargetRows = 16;    // query rows per block, shared K/V tile
   static constexpr std::size_t kTileBytes = 32768;  // a tile of stored K rows: it stays in L1 for every row
   static constexpr std::size_t kW = kVector<Acc>;   // keys scored at once
+  // Four query rows scored together hold 16 accumulators, a query register per row and read of
+  // a key, and the key's registers: only AVX-512's 32 registers have room (16 would spill).
+  static constexpr bool kScoresFour = kVectorBytes == 64 && kW % 4 == 0;
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
 
@@ -312,15 +315,20 @@ class AttentionKernel {
     {
       // tick()s to come: one per chunk of scores (score), one per V row per group (accumulate).
       const std::size_t n = w.readers.size();
-      const std::size_t pairs = kW % 2 == 0 ? n / 2 : 0;
-      const auto chunks = [&](std::size_t keys) { return (count + keys - 1) / keys; };
-      const std::size_t scoring = pairs * chunks(kW / 2) + (n - 2 * pairs) * chunks(kW);
+      const std::size_t quads = kScoresFour ? n / 4 : 0;
+      const std::size_t pairs = kW % 2 == 0 ? (n - 4 * quads) / 2 : 0;
+      const auto chunks = [&](std::size_t keys) { return keys == 0 ? 0 : (count + keys - 1) / keys; };
+      const std::size_t scoring =
+          quads * chunks(kW / 4) + pairs * chunks(kW / 2) + (n - 4 * quads - 2 * pairs) * chunks(kW);
       fetcher.pace(scoring + (n / 4 + n % 4 / 2 + n % 2) * count);
     }
     with_rows(segment.keys, item, first, count, w.keys, [&](const Stored* keys, std::size_t stride) {
-      // Two rows at a time, then one: each K row read (and widened) serves both. More rows would
-      // leave too few registers for the queries.
+      // Four rows at a time where 32 registers hold their queries, then two, then one: each K
+      // row read (and widened) serves them all.
       std::size_t i = 0;
+      if constexpr (kScoresFour) {
+        for (; i + 4 <= w.readers.size(); i += 4) score<4>(w, i, keys, stride, count, fetcher);
+      }
       if constexpr (kW % 2 == 0) {
         for (; i + 2 <= w.readers.size(); i += 2) score<2>(w, i, keys, stride, count, fetcher);
       }
