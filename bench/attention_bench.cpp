@@ -2,11 +2,13 @@
 // Decode attention (T = 1) against the machine's plain read bandwidth over as many bytes.
 //
 // Each DecodeAttention row reports `bytes_per_second`: the K and V bytes a decode step must
-// read, per second (mean), and `best_bytes_per_second` for its fastest call. Each ReadBandwidth
-// row sums a buffer of the same size with the same thread count. `read_bytes_per_second` in a
-// DecodeAttention row is the best of five plain reads of its own K and V, measured right before
-// it, and `vs_read` is best_bytes_per_second over it: best against best, so that other work on
-// a shared machine skews the ratio less.
+// read, per second of attention (manual time: only the attention calls count). Every iteration
+// first reads the very same K and V bytes plainly, then runs one attention call, each timed on
+// its own; `vs_read` is the median plain read over the median attention call of the run, and
+// `read_bytes_per_second` and `median_bytes_per_second` the two medians as rates. Timed pair
+// after pair, other work on a shared machine falls on both sides alike, and a median ignores
+// the odd disturbed call either side (a ratio of separately timed bests swung from 0.4 to 1.5).
+// Each ReadBandwidth row sums a separate buffer of the same size with the same thread count.
 //
 // The benchmarks are built for this machine's vector width (KVCACHE_NATIVE), the tests for the
 // default one: each DecodeAttention row first checks its output against a plain softmax in
@@ -81,18 +83,21 @@ float read_all(const std::vector<std::pair<const float*, std::size_t>>& buffers,
   return std::accumulate(sums.begin(), sums.end(), 0.0F);
 }
 
-/// Best bytes per second of a few full reads of `buffers`.
-double measure_read(const std::vector<std::pair<const float*, std::size_t>>& buffers, std::size_t threads) {
-  std::size_t bytes = 0;
-  for (const auto& b : buffers) bytes += b.second * sizeof(float);
-  double best = 0;
-  for (int pass = 0; pass < 5; ++pass) {
-    const auto start = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(read_all(buffers, threads));
-    const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
-    best = std::max(best, static_cast<double>(bytes) / seconds.count());
-  }
-  return best;
+/// The middle value of `seconds` (the upper one of an even count); reorders them.
+double median(std::vector<double>& seconds) {
+  if (seconds.empty()) return 0;
+  const auto middle = seconds.begin() + static_cast<std::ptrdiff_t>(seconds.size() / 2);
+  std::nth_element(seconds.begin(), middle, seconds.end());
+  return *middle;
+}
+
+/// Seconds `f()` takes, on a steady clock.
+template <class F>
+double time_call(const F& f) {
+  const auto start = std::chrono::steady_clock::now();
+  f();
+  const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
+  return seconds.count();
 }
 
 /// K and V for one layer at `tokens` positions, written into a KvCache a chunk at a time.
@@ -192,23 +197,28 @@ void BM_DecodeAttention(benchmark::State& state) {
     state.SkipWithError(message);
     return;
   }
-  const double read = measure_read(setup.buffers(), threads);
-  double best = 0;  // seconds of the fastest call: on a shared machine, best against best
+  const auto buffers = setup.buffers();
+  std::vector<double> read_seconds;
+  std::vector<double> attention_seconds;
   for (auto _ : state) {
-    const auto start = std::chrono::steady_clock::now();
-    kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), position, setup.history,
-                              kvcache::TensorView<float>(out.data(), shape), options);
-    benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-    const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
-    best = best == 0 ? seconds.count() : std::min(best, seconds.count());
+    read_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(buffers, threads)); }));
+    const double seconds = time_call([&] {
+      kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), position, setup.history,
+                                kvcache::TensorView<float>(out.data(), shape), options);
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+    });
+    attention_seconds.push_back(seconds);
+    state.SetIterationTime(seconds);
   }
   const auto bytes = static_cast<double>(setup.bytes());
+  const double read = median(read_seconds);
+  const double attention = median(attention_seconds);
   state.counters["bytes_per_second"] =
       benchmark::Counter(bytes * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
-  state.counters["best_bytes_per_second"] = best > 0 ? bytes / best : 0.0;
-  state.counters["read_bytes_per_second"] = read;
-  state.counters["vs_read"] = best > 0 ? bytes / best / read : 0.0;
+  state.counters["read_bytes_per_second"] = read > 0 ? bytes / read : 0.0;
+  state.counters["median_bytes_per_second"] = attention > 0 ? bytes / attention : 0.0;
+  state.counters["vs_read"] = attention > 0 ? read / attention : 0.0;
 }
 
 /// Plain read of a buffer as large as the K and V of S tokens of `T`. Args: S, threads, sizeof(T).
@@ -232,6 +242,8 @@ void register_all() {
       tiny ? std::vector<std::int64_t>{64} : std::vector<std::int64_t>{512, 4096, 16384, 32768};
   const std::vector<std::int64_t> thread_counts = tiny ? std::vector<std::int64_t>{1} : std::vector<std::int64_t>{1, 2};
   const auto add = [](benchmark::internal::Benchmark* b) { b->UseRealTime()->Unit(benchmark::kMicrosecond); };
+  // Attention rows time their calls themselves, between the plain reads they are compared with.
+  const auto add_manual = [](benchmark::internal::Benchmark* b) { b->UseManualTime()->Unit(benchmark::kMicrosecond); };
   for (std::int64_t s : lengths) {
     for (std::int64_t t : thread_counts) {
       for (std::int64_t element : {std::int64_t{4}, std::int64_t{2}}) {
@@ -240,12 +252,12 @@ void register_all() {
                 ->Args({s, t, element}));
       }
       for (std::int64_t h : heads) {
-        add(benchmark::RegisterBenchmark("DecodeAttention<float>", BM_DecodeAttention<float>)
-                ->ArgNames({"H_q", "S", "threads"})
-                ->Args({h, s, t}));
-        add(benchmark::RegisterBenchmark("DecodeAttention<bfloat16>", BM_DecodeAttention<Eigen::bfloat16>)
-                ->ArgNames({"H_q", "S", "threads"})
-                ->Args({h, s, t}));
+        add_manual(benchmark::RegisterBenchmark("DecodeAttention<float>", BM_DecodeAttention<float>)
+                       ->ArgNames({"H_q", "S", "threads"})
+                       ->Args({h, s, t}));
+        add_manual(benchmark::RegisterBenchmark("DecodeAttention<bfloat16>", BM_DecodeAttention<Eigen::bfloat16>)
+                       ->ArgNames({"H_q", "S", "threads"})
+                       ->Args({h, s, t}));
       }
     }
   }
