@@ -389,8 +389,8 @@ def table_attention(attention):
                 lines.append(f"| {threads} | {name} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("GB/s of K and V read per second (mean over the benchmark's calls); in brackets, the benchmark's own "
-                 "`vs_read`: its fastest call against the best of five plain reads of the same K and V, measured just "
-                 "before it.")
+                 "`vs_read`: the median time of a plain read of the same K and V bytes over the median time of an "
+                 "attention call, the two timed in turn on every iteration.")
     return "\n".join(lines)
 
 
