@@ -19,7 +19,7 @@
 namespace kvcache {
 
 /// The baseline to measure against: every update allocates a new buffer and copies the whole
-/// history plus the new tokens into it (the `torch.cat` pattern), O(T) per token and O(N^2)
+/// history plus the new tokens into it (concatenate on every step), O(T) per token and O(N^2)
 /// for a generation. Results are identical to KvCache; only the cost differs. Use it in
 /// benchmarks, not in engines.
 ///
