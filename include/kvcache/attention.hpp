@@ -39,54 +39,56 @@ namespace detail {
 template <class T, class Q>
 void check_attention(const TensorView<const Q>& q, std::span<const std::int64_t> q_positions, const History<T>& history,
                      const TensorView<Q>& out) {
-  const std::string call = "causal_attention";
+  // Messages are built only when a check fails: a call that passes allocates nothing.
+  const auto call = [] { return std::string("causal_attention"); };
   if (out.shape() != q.shape()) {
     throw std::invalid_argument(
-        expected_given(call + ": out shape", q.shape().str() + " (the shape of q)", out.shape().str()));
+        expected_given(call() + ": out shape", q.shape().str() + " (the shape of q)", out.shape().str()));
   }
   if (q_positions.size() != q.tokens()) {
-    throw std::invalid_argument(expected_given(call + ": q_positions count", "q's tokens " + std::to_string(q.tokens()),
+    throw std::invalid_argument(expected_given(call() + ": q_positions count",
+                                               "q's tokens " + std::to_string(q.tokens()),
                                                std::to_string(q_positions.size())));
   }
   if (q.shape().size() != 0 && (q.data() == nullptr || out.data() == nullptr)) {
-    throw std::invalid_argument(call + ": q and out data: expected non-null pointers for shape " + q.shape().str() +
+    throw std::invalid_argument(call() + ": q and out data: expected non-null pointers for shape " + q.shape().str() +
                                 ", given null");
   }
   for (std::size_t s = 0; s < history.segments.size(); ++s) {
     const Segment<T>& seg = history.segments[s];
-    const std::string name = call + ": history.segments[" + std::to_string(s) + "]";
+    const auto name = [&] { return call() + ": history.segments[" + std::to_string(s) + "]"; };
     const Shape& k = seg.keys.shape();
     if (seg.values.shape() != k) {
       throw std::invalid_argument(
-          expected_given(name + " values shape", k.str() + " (the shape of its keys)", seg.values.shape().str()));
+          expected_given(name() + " values shape", k.str() + " (the shape of its keys)", seg.values.shape().str()));
     }
     if (seg.positions.size() != k.tokens) {
-      throw std::invalid_argument(expected_given(name + " positions count",
+      throw std::invalid_argument(expected_given(name() + " positions count",
                                                  "its keys' tokens " + std::to_string(k.tokens),
                                                  std::to_string(seg.positions.size())));
     }
     if (k.batch != q.batch()) {
       throw std::invalid_argument(
-          expected_given(name + " batch", "q's batch " + std::to_string(q.batch()), std::to_string(k.batch)));
+          expected_given(name() + " batch", "q's batch " + std::to_string(q.batch()), std::to_string(k.batch)));
     }
     if (k.head_dim != q.head_dim()) {
-      throw std::invalid_argument(expected_given(name + " head_dim", "q's head_dim " + std::to_string(q.head_dim()),
+      throw std::invalid_argument(expected_given(name() + " head_dim", "q's head_dim " + std::to_string(q.head_dim()),
                                                  std::to_string(k.head_dim)));
     }
     const std::size_t kv_heads = history.segments[0].keys.heads();
     if (k.heads != kv_heads) {
-      throw std::invalid_argument(expected_given(name + " kv_heads", "segment 0's kv_heads " + std::to_string(kv_heads),
-                                                 std::to_string(k.heads)));
+      throw std::invalid_argument(expected_given(
+          name() + " kv_heads", "segment 0's kv_heads " + std::to_string(kv_heads), std::to_string(k.heads)));
     }
     if (k.size() != 0 && (seg.keys.data() == nullptr || seg.values.data() == nullptr)) {
-      throw std::invalid_argument(name + " keys and values data: expected non-null pointers for shape " + k.str() +
+      throw std::invalid_argument(name() + " keys and values data: expected non-null pointers for shape " + k.str() +
                                   ", given null");
     }
   }
   if (!history.segments.empty()) {
     const std::size_t kv_heads = history.segments[0].keys.heads();
     if (kv_heads == 0 || q.heads() % kv_heads != 0) {
-      throw std::invalid_argument(expected_given(call + ": q heads",
+      throw std::invalid_argument(expected_given(call() + ": q heads",
                                                  "a multiple of the history's kv_heads " + std::to_string(kv_heads),
                                                  std::to_string(q.heads())));
     }
