@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache_test_support.hpp"
 #include "kvcache/kvcache.hpp"
 
 namespace kvcache {
@@ -102,29 +103,15 @@ double to_double(T x) {
   }
 }
 
-template <class T>
-struct Block {
-  Shape shape;
-  std::vector<T> data;
-  Block(const Shape& s, std::uint64_t seed) : shape(s), data(s.size()) {
-    std::mt19937_64 rng(seed);
-    std::uniform_real_distribution<float> dist(-1.0F, 1.0F);
-    for (T& x : data) x = static_cast<T>(dist(rng));
-  }
-  [[nodiscard]] TensorView<const T> view() const { return {data.data(), shape}; }
-  [[nodiscard]] TensorView<T> mutable_view() { return {data.data(), shape}; }
-  /// The values as stored (already rounded to T), in double.
-  [[nodiscard]] Dense exact() const {
-    Dense d(shape);
-    for (std::size_t i = 0; i < data.size(); ++i) d.data[i] = to_double(data[i]);
-    return d;
-  }
-};
+using testing::arange;
+using testing::Block;
 
-std::vector<std::int64_t> arange(std::size_t first, std::size_t count) {
-  std::vector<std::int64_t> p(count);
-  std::iota(p.begin(), p.end(), static_cast<std::int64_t>(first));
-  return p;
+/// A block's values as stored (already rounded to T), in double.
+template <class T>
+Dense exact(const Block<T>& block) {
+  Dense d(block.shape);
+  for (std::size_t i = 0; i < block.data.size(); ++i) d.data[i] = to_double(block.data[i]);
+  return d;
 }
 
 /// Largest |a - b| over a view and its reference.
@@ -236,7 +223,7 @@ void run_case(const Case& c, Variant variant, std::uint64_t seed) {
   if (variant == Variant::kRing) rules.push_back({ring_window, c.ring.sinks});
   const double scale = c.scale != 0.0F ? static_cast<double>(c.scale) : 1.0 / std::sqrt(double(c.head_dim));
   const std::vector<std::int64_t> q_positions = arange(c.tokens - c.chunk, c.chunk);
-  const Dense want = reference_attention(q_stored.exact(), q_positions, k.exact(), v.exact(), scale, rules);
+  const Dense want = reference_attention(exact(q_stored), q_positions, exact(k), exact(v), scale, rules);
 
   std::vector<Q> out_data(q_data.size(), std::numeric_limits<Q>::quiet_NaN());
   const TensorView<Q> out(out_data.data(), q.shape());
@@ -312,7 +299,7 @@ TYPED_TEST(AttentionTyped, QueriesInTheStorageType) {
   KvCache<T> cache({.layers = 1, .kv_heads = kv_heads, .head_dim = dim, .capacity = keys});
   const auto history = cache.update(0, k.view(), v.view(), arange(0, keys));
   const std::vector<std::int64_t> q_positions = arange(keys - chunk, chunk);
-  const Dense want = reference_attention(q.exact(), q_positions, k.exact(), v.exact(), 1.0 / 8.0, {});
+  const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), 1.0 / 8.0, {});
   std::vector<T> out_data(q.data.size());
   const TensorView<T> out(out_data.data(), q.shape);
   causal_attention(q.mutable_view(), q_positions, history, out);
@@ -414,7 +401,7 @@ TEST(AttentionMask, FullyMaskedRowsGiveZeros) {
       EXPECT_TRUE(std::isfinite(out[(h * 3 + 2) * dim + d]));
     }
   }
-  const Dense want = reference_attention(q.exact(), {-1, 30, 9}, k.exact(), v.exact(), 0.25, {{5, 0}});
+  const Dense want = reference_attention(exact(q), {-1, 30, 9}, exact(k), exact(v), 0.25, {{5, 0}});
   EXPECT_LE(max_error<float>(TensorView<const float>(out.data(), q.shape), want), 2e-6);
   EXPECT_GT(std::abs(out[2 * dim]), 0.0F);  // the visible row is not zero by accident
 }
@@ -478,7 +465,7 @@ TEST(AttentionViews, StridedQueriesAndOutputs) {
     for (std::size_t h = 0; h < heads; ++h)
       for (std::size_t t = 0; t < chunk; ++t)
         for (std::size_t d = 0; d < dim; ++d) q_exact.at(b, h, t, d) = q(b, h, t, d);
-  const Dense want = reference_attention(q_exact, positions, k.exact(), v.exact(), 1.0 / std::sqrt(32.0), {});
+  const Dense want = reference_attention(q_exact, positions, exact(k), exact(v), 1.0 / std::sqrt(32.0), {});
   EXPECT_LE(max_error<float>(out, want), 2e-6);
 }
 
@@ -546,7 +533,7 @@ TEST(AttentionThreads, ThreadCountsAgree) {
     const std::vector<std::int64_t> positions = arange(s.keys - s.chunk, s.chunk);
     std::vector<float> one(q.data.size());
     causal_attention(q.view(), positions, history, TensorView<float>(one.data(), q.shape), {.threads = 1});
-    const Dense want = reference_attention(q.exact(), positions, k.exact(), v.exact(), 1.0 / std::sqrt(128.0), {});
+    const Dense want = reference_attention(exact(q), positions, exact(k), exact(v), 1.0 / std::sqrt(128.0), {});
     EXPECT_LE(max_error<float>(TensorView<const float>(one.data(), q.shape), want), 2e-5);
     for (std::size_t threads : {std::size_t{0}, std::size_t{2}, std::size_t{3}}) {
       std::vector<float> many(q.data.size(), std::numeric_limits<float>::quiet_NaN());

@@ -58,6 +58,7 @@ struct Block {
     for (T& x : data) x = static_cast<T>(dist(rng));
   }
   [[nodiscard]] TensorView<const T> view() const { return {data.data(), shape}; }
+  [[nodiscard]] TensorView<T> mutable_view() { return {data.data(), shape}; }
 };
 
 /// Positions first, first + 1, ..., first + count - 1.
