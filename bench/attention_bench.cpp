@@ -19,6 +19,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_support.hpp"
+
 #include <Eigen/Core>
 #include <algorithm>
 #include <chrono>
@@ -49,10 +51,7 @@ namespace {
 constexpr std::size_t kHeadDim = 128;
 constexpr std::size_t kKvHeads = 8;
 
-bool smoke() {
-  const char* env = std::getenv("KVCACHE_BENCH_SMOKE");
-  return env != nullptr && std::string(env) == "1";
-}
+using kvcache::bench::smoke_mode;
 
 /// Sums `count` floats with independent lane accumulators, so the loop is bound by memory.
 float sum_floats(const float* data, std::size_t count) {
@@ -236,7 +235,7 @@ void BM_ReadBandwidth(benchmark::State& state) {
 }
 
 void register_all() {
-  const bool tiny = smoke();
+  const bool tiny = smoke_mode();
   const std::vector<std::int64_t> heads = tiny ? std::vector<std::int64_t>{8} : std::vector<std::int64_t>{8, 16, 32};
   const std::vector<std::int64_t> lengths =
       tiny ? std::vector<std::int64_t>{64} : std::vector<std::int64_t>{512, 4096, 16384, 32768};

@@ -20,6 +20,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_support.hpp"
+
 #include <Eigen/Core>
 #include <algorithm>
 #include <chrono>
@@ -45,14 +47,9 @@
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-bool smoke_mode() {
-  const char* value = std::getenv("KVCACHE_BENCH_SMOKE");
-  return value != nullptr && *value != '\0' && std::string_view(value) != "0";
-}
+using kvcache::bench::Clock;
+using kvcache::bench::seconds_since;
+using kvcache::bench::smoke_mode;
 
 /// The cache geometry of a model: Qwen3-0.6B is 28 layers of 8 kv heads x 128.
 struct Model {

@@ -18,6 +18,8 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_support.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
@@ -46,14 +48,9 @@
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-bool smoke_mode() {
-  const char* value = std::getenv("KVCACHE_BENCH_SMOKE");
-  return value != nullptr && *value != '\0' && std::string_view(value) != "0";
-}
+using kvcache::bench::Clock;
+using kvcache::bench::seconds_since;
+using kvcache::bench::smoke_mode;
 
 /// A fixed prompt of byte tokens (the default model's vocabulary is bytes).
 std::vector<qwen3::TokenId> prompt() {
