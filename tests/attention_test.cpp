@@ -513,6 +513,38 @@ TEST(AttentionMath, TransposeSumPutsKeyKInLaneK) {
   expect_transpose_sum<detail::LoopVector<double, 2>, 2>();
 }
 
+// The softmax bookkeeping: largest and sum of a row of scores, folded in registers, at every
+// length around the vector width (tails included) and with masked (-inf) scores.
+
+template <class Acc>
+void expect_max_and_sum() {
+  constexpr std::size_t W = detail::kVector<Acc>;
+  for (std::size_t n = 0; n <= 3 * W + 1; ++n) {
+    std::vector<Acc> x(n);
+    for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<Acc>((i * 37) % 11) - Acc{5};
+    if (n > 2) x[n / 2] = -std::numeric_limits<Acc>::infinity();
+    const Acc largest = n == 0 ? -std::numeric_limits<Acc>::infinity() : *std::max_element(x.begin(), x.end());
+    EXPECT_EQ(detail::max_of(x.data(), n), largest) << "n " << n;
+    for (Acc& v : x) v = v == -std::numeric_limits<Acc>::infinity() ? Acc{0} : v;
+    EXPECT_EQ(detail::sum_of(x.data(), n), std::accumulate(x.begin(), x.end(), Acc{0}))
+        << "n " << n;  // integers: exact
+  }
+}
+
+TEST(AttentionMath, MaxAndSumOfScoresAtEveryLength) {
+  expect_max_and_sum<float>();
+  expect_max_and_sum<double>();
+}
+
+TEST(AttentionMath, FoldHalvesLeavesTheTotalInLaneZero) {
+  detail::LoopVector<float, 8> v{};
+  for (std::size_t l = 0; l < 8; ++l) v[l] = static_cast<float>(l == 5 ? 40 : l);
+  const auto max = detail::fold_halves<4>(v, [](const auto& a, const auto& b) { return detail::lane_max(a, b); });
+  const auto sum = detail::fold_halves<4>(v, [](const auto& a, const auto& b) { return a + b; });
+  EXPECT_EQ(max[0], 40.0F);
+  EXPECT_EQ(sum[0], 0.0F + 1 + 2 + 3 + 4 + 40 + 6 + 7);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Threads: every split of the work gives the same answer as the caller's thread alone.
 

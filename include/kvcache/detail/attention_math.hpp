@@ -372,45 +372,66 @@ template <std::size_t R, class T, class Acc>
 inline constexpr std::size_t kBlockRegisters = std::max<std::size_t>(std::bit_floor(kAccumulators / R),
                                                                      RowReader<T, Acc>::kSplit);
 
-/// Folds L lanes by halves with op, a fixed order that a compiler turns into whole-register
-/// operations (a left-to-right loop over the lanes would be a chain of scalar ones).
-template <std::size_t L, class Acc, class Op>
-inline Acc fold_lanes(const Acc (&lanes)[L], const Op& op) noexcept {
-  if constexpr (L == 1) {
-    return lanes[0];
+/// v with the two halves of every block of 2H lanes swapped.
+template <std::size_t H, class V, std::size_t... L>
+inline V swap_halves(const V& v, std::index_sequence<L...>) noexcept {
+  if constexpr (std::is_class_v<V>) {
+    V out;
+    for (std::size_t l = 0; l < sizeof...(L); ++l) out[l] = v[l % (2 * H) < H ? l + H : l - H];
+    return out;
   } else {
-    static_assert(L % 2 == 0, "fold_lanes halves its lanes: L must be a power of two.");
-    Acc half[L / 2];
-    for (std::size_t l = 0; l < L / 2; ++l) half[l] = op(lanes[l], lanes[l + L / 2]);
-    return fold_lanes(half, op);
+#if KVCACHE_VECTOR_EXTENSIONS
+    return __builtin_shufflevector(v, v, static_cast<int>(L % (2 * H) < H ? L + H : L - H)...);
+#endif
   }
 }
 
-/// The largest of n values (-inf for none), over independent lanes so the compares pipeline.
+/// The larger of a and b, lane by lane (b where either is NaN, like the scalar a > b ? a : b).
+template <class V>
+inline V lane_max(V a, const V& b) noexcept {
+  if constexpr (std::is_class_v<V>) {
+    for (std::size_t l = 0; l < sizeof(V) / sizeof(a[0]); ++l) a[l] = a[l] > b[l] ? a[l] : b[l];
+    return a;
+  } else {
+    return a > b ? a : b;
+  }
+}
+
+/// Folds the W lanes of v by halves with op, in registers; lane 0 of the result holds the total.
+template <std::size_t H, class V, class Op>
+inline V fold_halves(const V& v, const Op& op) noexcept {
+  if constexpr (H == 0) {
+    return v;
+  } else {
+    constexpr std::size_t W = sizeof(V) / sizeof(v[0]);
+    return fold_halves<H / 2>(op(v, swap_halves<H>(v, std::make_index_sequence<W>{})), op);
+  }
+}
+
+/// The largest of n values (-inf for none): a register of running maxima, folded at the end.
 template <class Acc>
 inline Acc max_of(const Acc* x, std::size_t n) noexcept {
-  constexpr std::size_t L = kVector<Acc>;
-  Acc lanes[L];
-  for (std::size_t l = 0; l < L; ++l) lanes[l] = -std::numeric_limits<Acc>::infinity();
+  using V = Vector<Acc>;
+  constexpr std::size_t W = kVector<Acc>;
+  V lanes = splat(-std::numeric_limits<Acc>::infinity());
   std::size_t i = 0;
-  for (; i + L <= n; i += L) {
-    for (std::size_t l = 0; l < L; ++l) lanes[l] = lanes[l] > x[i + l] ? lanes[l] : x[i + l];
-  }
-  for (std::size_t l = 0; i < n; ++i, ++l) lanes[l] = lanes[l] > x[i] ? lanes[l] : x[i];
-  return fold_lanes(lanes, [](Acc a, Acc b) { return a > b ? a : b; });
+  for (; i + W <= n; i += W) lanes = lane_max(lanes, load_vector<V>(x + i));
+  Acc max = fold_halves<W / 2>(lanes, [](const V& a, const V& b) { return lane_max(a, b); })[0];
+  for (; i < n; ++i) max = max > x[i] ? max : x[i];
+  return max;
 }
 
-/// The sum of n values, over independent lanes.
+/// The sum of n values: a register of running sums, folded at the end.
 template <class Acc>
 inline Acc sum_of(const Acc* x, std::size_t n) noexcept {
-  constexpr std::size_t L = kVector<Acc>;
-  Acc lanes[L] = {};
+  using V = Vector<Acc>;
+  constexpr std::size_t W = kVector<Acc>;
+  V lanes = splat(Acc{0});
   std::size_t i = 0;
-  for (; i + L <= n; i += L) {
-    for (std::size_t l = 0; l < L; ++l) lanes[l] += x[i + l];
-  }
-  for (std::size_t l = 0; i < n; ++i, ++l) lanes[l] += x[i];
-  return fold_lanes(lanes, [](Acc a, Acc b) { return a + b; });
+  for (; i + W <= n; i += W) lanes += load_vector<V>(x + i);
+  Acc sum = fold_halves<W / 2>(lanes, [](const V& a, const V& b) { return a + b; })[0];
+  for (; i < n; ++i) sum += x[i];
+  return sum;
 }
 
 #if defined(__GNUC__) || defined(__clang__)
