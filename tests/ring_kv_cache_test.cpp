@@ -111,6 +111,51 @@ TEST_F(RingTrace, FirstChunkCoveringTheSinksFillsThemOnFold) {
   EXPECT_EQ(feed(1), (Trace{{0, 1}, {4}, {5, 6}}));
 }
 
+TEST_F(RingTrace, ChunkAsLongAsTheWindowWhenTheRingIsFullKeepsTheWholeRing) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
+  for (int i = 0; i < 4; ++i) feed(1);
+  // Query 4 needs 1..4: none of 0..3 may be overwritten by 4..7 before it reads them.
+  EXPECT_EQ(feed(4), (Trace{{0, 1, 2, 3}, {4, 5, 6, 7}}));
+  EXPECT_EQ(feed(1), (Trace{{5, 6, 7}, {8}}));
+  EXPECT_EQ(feed(4), (Trace{{5, 6, 7}, {8}, {9, 10, 11, 12}}));
+  EXPECT_EQ(feed(1), (Trace{{10, 11}, {12, 13}}));
+}
+
+TEST_F(RingTrace, WindowOfOneHoldsOnlyTheNewestPosition) {
+  make(/*window=*/1, /*sinks=*/0, /*slack=*/0);
+  EXPECT_EQ(feed(1), (Trace{{0}}));
+  EXPECT_EQ(feed(1), (Trace{{1}}));
+  EXPECT_EQ(feed(3), (Trace{{1}, {2, 3, 4}}));  // each query of the chunk reads only itself
+  EXPECT_EQ(feed(1), (Trace{{5}}));
+  EXPECT_EQ(cache_->bytes(), kv_cache_bytes(1, 1, 1 + 3, 1, 2, sizeof(float)));  // one slot + staging for 3
+}
+
+TEST_F(RingTrace, ChunkRightAfterAStagedChunkFoldsItFirst) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
+  for (int i = 0; i < 6; ++i) feed(1);
+  EXPECT_EQ(feed(5), (Trace{{2, 3}, {4, 5}, {6, 7, 8, 9, 10}}));
+  // 6..10 folded (the ring keeps 7..10, what query 11 needs), then 11..15 staged.
+  EXPECT_EQ(feed(5), (Trace{{7}, {8, 9, 10}, {11, 12, 13, 14, 15}}));
+  EXPECT_EQ(feed(1), (Trace{{13, 14, 15}, {16}}));
+}
+
+TEST_F(RingTrace, SinksStayThroughAChunkLongerThanTheWindowAfterTheWrap) {
+  make(/*window=*/3, /*sinks=*/2, /*slack=*/0);
+  for (int i = 0; i < 7; ++i) feed(1);  // sinks 0, 1; ring 4..6
+  EXPECT_EQ(feed(7), (Trace{{0, 1}, {4}, {5, 6}, {7, 8, 9, 10, 11, 12, 13}}));
+  EXPECT_EQ(feed(1), (Trace{{0, 1}, {12, 13}, {14}}));
+  EXPECT_EQ(feed(1), (Trace{{0, 1}, {13}, {14, 15}}));
+}
+
+TEST_F(RingTrace, ZeroTokenUpdateFoldsAStagedChunkAndKeepsWhatTheNextQueryNeeds) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
+  for (int i = 0; i < 6; ++i) feed(1);
+  EXPECT_EQ(feed(3), (Trace{{2, 3}, {4, 5}, {6, 7, 8}}));
+  EXPECT_EQ(feed(0), (Trace{{5, 6, 7}, {8}}));
+  EXPECT_EQ(cache_->length(), 9U);
+  EXPECT_EQ(feed(1), (Trace{{6, 7}, {8, 9}}));
+}
+
 TEST_F(RingTrace, SlackLetsAChunkOfSlackPlusOneGoStraightIntoTheRing) {
   make(/*window=*/4, /*sinks=*/0, /*slack=*/2);
   for (int i = 0; i < 8; ++i) feed(1);
@@ -149,6 +194,24 @@ TEST_F(RingTrace, TruncateIntoAStagedChunkKeepsItsHead) {
   feed(5);  // 6..10 staged
   cache_->truncate(8);
   EXPECT_EQ(feed(1), (Trace{{5, 6, 7}, {8}}));
+}
+
+TEST_F(RingTrace, TruncateToTheLengthAfterAStagedChunkChangesNothing) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
+  for (int i = 0; i < 6; ++i) feed(1);
+  feed(5);  // 6..10 staged
+  cache_->truncate(11);
+  EXPECT_EQ(cache_->length(), 11U);
+  EXPECT_EQ(feed(1), (Trace{{8, 9, 10, 11}}));
+}
+
+TEST_F(RingTrace, TruncateBackToTheStartOfAStagedChunkForgetsAllOfIt) {
+  make(/*window=*/4, /*sinks=*/1, /*slack=*/0);
+  for (int i = 0; i < 7; ++i) feed(1);                                      // sink 0; ring 3..6
+  EXPECT_EQ(feed(6), (Trace{{0}, {3, 4}, {5, 6}, {7, 8, 9, 10, 11, 12}}));  // a rejected draft
+  cache_->truncate(7);
+  EXPECT_EQ(cache_->length(), 7U);
+  EXPECT_EQ(feed(2), (Trace{{0}, {3, 4}, {5, 6}, {7, 8}}));  // as if 7..12 had never come
 }
 
 TEST_F(RingTrace, TruncateIntoTheSinksAfterTheWrapStartsTheRingAfresh) {
