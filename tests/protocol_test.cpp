@@ -106,6 +106,23 @@ TYPED_TEST(Protocol, TruncateForgetsTheTailAndNewTokensReplaceIt) {
   EXPECT_EQ(cache.length(), 6U);
 }
 
+TYPED_TEST(Protocol, TruncateToTheLengthChangesNothingAndToZeroStartsOver) {
+  auto cache = this->make();
+  this->feed(cache, 6);
+  cache.truncate(6);
+  EXPECT_EQ(cache.length(), 6U);
+  EXPECT_EQ(flatten(this->feed_layer(cache, 0, 1)), this->expected_[0]);
+  cache.truncate(6);  // also repairs the pass stopped after layer 0
+  EXPECT_EQ(cache.length(), 6U);
+  cache.truncate(0);
+  EXPECT_EQ(cache.length(), 0U);
+  for (std::size_t layer = 0; layer < this->layers; ++layer) {
+    const auto history = this->feed_layer(cache, layer, 2);
+    EXPECT_EQ(flatten(history), this->expected_[layer]) << "layer " << layer;
+    EXPECT_EQ(flatten(history).size(), 2U);
+  }
+}
+
 TYPED_TEST(Protocol, ResetStartsOverAtPositionZero) {
   auto cache = this->make();
   this->feed(cache, 5);
@@ -126,7 +143,7 @@ TYPED_TEST(Protocol, PartWayPassMakesLengthThrowNamingTheLayersUntilRepaired) {
     (void)cache.length();
     FAIL() << "length() must throw while layers disagree";
   } catch (const std::runtime_error& e) {
-    EXPECT_THAT(e.what(), AllOf(HasSubstr("layer 0 hold 6"), HasSubstr("layers 1-2 hold 5")));
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("layer 0 holds 6"), HasSubstr("layers 1-2 hold 5")));
   }
   EXPECT_THROW(cache.truncate(6), std::out_of_range);  // layers 1-2 never held token 5
   cache.truncate(5);
@@ -214,6 +231,25 @@ TYPED_TEST(Protocol, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
        update_with(1, {B, H, 2, D}, {B, H, 2, D}, {5, 7}),
        Case::kInvalidArgument,
        {"positions[1]", "expected 6", "given 7"}},
+      {"negative position",
+       update_with(0, {B, H, 1, D}, {B, H, 1, D}, {-1}),
+       Case::kInvalidArgument,
+       {"positions[0]", "expected 5", "given -1"}},
+      {"null data",
+       [=](Cache& cache) {
+         const Block<E> v({B, H, 1, D}, 12);
+         cache.update(0, TensorView<const E>(nullptr, {B, H, 1, D}), v.view(), at5);
+       },
+       Case::kInvalidArgument,
+       {"non-null", "given null"}},
+      {"zero tokens, wrong kv_heads",
+       update_with(0, {B, 3, 0, D}, {B, 3, 0, D}, {}),
+       Case::kInvalidArgument,
+       {"kv_heads", "expected 2", "given 3"}},
+      {"zero tokens, bad layer",
+       update_with(3, {B, H, 0, D}, {B, H, 0, D}, {}),
+       Case::kOutOfRange,
+       {"layer", "expected < 3", "given 3"}},
       {"capacity",
        update_with(2, {B, H, 12, D}, {B, H, 12, D}, arange(5, 12)),
        Case::kLengthError,

@@ -73,9 +73,9 @@ class CacheBase {
       std::size_t end = begin;
       while (end + 1 < lengths_.size() && lengths_[end + 1] == lengths_[begin]) ++end;
       if (!runs.empty()) runs += ", ";
-      runs += begin == end ? "layer " + std::to_string(begin)
-                           : "layers " + std::to_string(begin) + "-" + std::to_string(end);
-      runs += " hold " + std::to_string(lengths_[begin]);
+      runs += begin == end ? "layer " + std::to_string(begin) + " holds "
+                           : "layers " + std::to_string(begin) + "-" + std::to_string(end) + " hold ";
+      runs += std::to_string(lengths_[begin]);
       begin = end + 1;
     }
     return runs;
