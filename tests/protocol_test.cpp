@@ -86,6 +86,36 @@ TYPED_TEST(Protocol, HistoryStaysValidWhileOtherLayersUpdate) {
   EXPECT_EQ(flatten(history), this->expected_[0]);
 }
 
+TYPED_TEST(Protocol, StridedTokenMajorInputsAreStoredLikeDenseOnes) {
+  using E = typename TestFixture::T;
+  constexpr std::size_t B = TestFixture::batch, H = TestFixture::kv_heads, D = TestFixture::head_dim;
+  auto strided = this->make();
+  auto dense = this->make();
+  for (std::size_t tokens : {5U, 1U, 3U}) {
+    // The engine's own [B, T, H, D] buffers, read as [B, H, T, D] through strides.
+    const Block<E> k({B, tokens, H, D}, 40 + tokens);
+    const Block<E> v({B, tokens, H, D}, 50 + tokens);
+    const Strides token_major{tokens * H * D, D, H * D};
+    const TensorView<const E> k_view(k.data.data(), {B, H, tokens, D}, token_major);
+    const TensorView<const E> v_view(v.data.data(), {B, H, tokens, D}, token_major);
+    Block<E> k_dense({B, H, tokens, D}, 0);
+    Block<E> v_dense({B, H, tokens, D}, 0);
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::size_t h = 0; h < H; ++h)
+        for (std::size_t t = 0; t < tokens; ++t)
+          for (std::size_t d = 0; d < D; ++d) {
+            k_dense.mutable_view()(b, h, t, d) = k_view(b, h, t, d);
+            v_dense.mutable_view()(b, h, t, d) = v_view(b, h, t, d);
+          }
+    const auto positions = arange(strided.length(), tokens);
+    for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) {
+      EXPECT_EQ(flatten(strided.update(layer, k_view, v_view, positions)),
+                flatten(dense.update(layer, k_dense.view(), v_dense.view(), positions)))
+          << "layer " << layer << " after " << tokens << " tokens";
+    }
+  }
+}
+
 TYPED_TEST(Protocol, ZeroTokenUpdateChangesNothing) {
   auto cache = this->make();
   this->feed(cache, 3);
