@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // What distinguishes the dense caches: KvCache never moves its storage, ConcatKvCache does.
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <stdexcept>
@@ -65,6 +66,17 @@ TEST(DenseConfig, RejectsZeroSizesAndRingFields) {
                       KvCacheConfig{.layers = 1, .kv_heads = 1, .head_dim = 1, .capacity = 4, .window = 2}}) {
     EXPECT_THROW(KvCache<float>{config}, std::invalid_argument);
     EXPECT_THROW(ConcatKvCache<float>{config}, std::invalid_argument);
+  }
+}
+
+TEST(DenseConfig, SizesWhoseBytesOverflowAreRejectedNotWrapped) {
+  // 2 x 2^62 x 4 bytes wraps to 0: without the check this would allocate nothing.
+  const KvCacheConfig config{.layers = 1, .batch = std::size_t{1} << 62, .kv_heads = 1, .head_dim = 1, .capacity = 1};
+  try {
+    KvCache<float> cache(config);
+    FAIL() << "no exception; bytes() = " << cache.bytes();
+  } catch (const std::length_error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("batch 4611686018427387904"));
   }
 }
 

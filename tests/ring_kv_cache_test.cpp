@@ -222,8 +222,45 @@ TEST_F(RingTrace, TruncateIntoTheSinksAfterTheWrapStartsTheRingAfresh) {
   EXPECT_EQ(feed(1), (Trace{{0, 1}, {2}}));
 }
 
+TEST(RingRollback, AnyRollbackIntoTheLastChunkSucceedsAfterTheWrap) {
+  // Speculative decoding: a chunk of drafts, then a rollback to keep some of them.
+  for (std::size_t window = 1; window <= 5; ++window) {
+    for (std::size_t sinks = 0; sinks <= 2; ++sinks) {
+      for (std::size_t slack = 0; slack <= 3; ++slack) {
+        for (std::size_t tokens = 1; tokens <= 2 * window + slack; ++tokens) {
+          for (std::size_t keep = 0; keep <= tokens; ++keep) {
+            RingKvCache<float> cache(
+                {.layers = 2, .kv_heads = 1, .head_dim = 2, .window = window, .sinks = sinks, .slack = slack});
+            const std::size_t start = 3 * (sinks + window + slack);
+            const Block<float> one({1, 1, 1, 2}, 1);
+            const Block<float> chunk({1, 1, tokens, 2}, 2);
+            for (std::size_t p = 0; p < start; ++p)
+              for (std::size_t layer = 0; layer < 2; ++layer) cache.update(layer, one.view(), one.view(), arange(p, 1));
+            for (std::size_t layer = 0; layer < 2; ++layer)
+              cache.update(layer, chunk.view(), chunk.view(), arange(start, tokens));
+            ASSERT_NO_THROW(cache.truncate(start + keep)) << "window " << window << " sinks " << sinks << " slack "
+                                                          << slack << " chunk " << tokens << " keep " << keep;
+            ASSERT_EQ(cache.length(), start + keep);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(RingConfig, ZeroWindowIsRejected) {
   EXPECT_THROW(RingKvCache<float>({.layers = 1, .kv_heads = 1, .head_dim = 2}), std::invalid_argument);
+}
+
+TEST(RingConfig, SlotCountsOrBytesThatOverflowAreRejectedNotWrapped) {
+  constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+  EXPECT_THROW(RingKvCache<float>({.layers = 1, .kv_heads = 1, .head_dim = 2, .window = max, .slack = 1}),
+               std::length_error);
+  EXPECT_THROW(RingKvCache<float>({.layers = 1, .kv_heads = 1, .head_dim = 2, .window = 4, .sinks = max - 3}),
+               std::length_error);
+  EXPECT_THROW(
+      RingKvCache<float>({.layers = 1, .batch = std::size_t{1} << 62, .kv_heads = 1, .head_dim = 1, .window = 1}),
+      std::length_error);
 }
 
 TEST(RingConfig, UnboundedUnlessACapacityIsGiven) {

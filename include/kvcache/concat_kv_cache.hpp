@@ -64,7 +64,8 @@ class ConcatKvCache : public detail::CacheBase {
     return total;
   }
 
-  /// Forgets everything after `length` tokens; the buffers keep their size until the next update.
+  /// Forgets everything after `length` tokens (also repairs a forward pass stopped part-way); the
+  /// buffers keep their size until the next update. std::out_of_range if a layer holds fewer.
   void truncate(std::size_t length) {
     check_truncate(length);
     set_all_lengths(length);

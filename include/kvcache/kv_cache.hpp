@@ -32,10 +32,11 @@ class KvCache : public detail::CacheBase {
  public:
   using value_type = T;
 
-  /// Allocates every layer's K and V; throws std::invalid_argument for a zero size or ring fields.
+  /// Allocates every layer's K and V; throws std::invalid_argument for a zero size or ring fields,
+  /// std::length_error for a size whose bytes overflow std::size_t.
   explicit KvCache(const KvCacheConfig& config)
       : CacheBase("KvCache", detail::check_dense_config("KvCache", config)),
-        capacity_(config.capacity),
+        capacity_(detail::check_footprint("KvCache", geometry(), config.capacity, sizeof(T))),
         keys_(layer_elements() * layers()),
         values_(layer_elements() * layers()),
         positions_(capacity_),

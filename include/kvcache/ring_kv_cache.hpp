@@ -41,7 +41,8 @@ class RingKvCache : public detail::CacheBase {
  public:
   using value_type = T;
 
-  /// Allocates the ring; throws std::invalid_argument for a zero size or a zero window.
+  /// Allocates the ring; throws std::invalid_argument for a zero size or a zero window,
+  /// std::length_error for sinks + window + slack slots whose bytes overflow std::size_t.
   explicit RingKvCache(const KvCacheConfig& config)
       : CacheBase("RingKvCache", detail::check_config("RingKvCache", config)),
         window_(config.window),
@@ -49,6 +50,13 @@ class RingKvCache : public detail::CacheBase {
         ring_(config.window + config.slack),
         capacity_(config.capacity == 0 ? std::numeric_limits<std::size_t>::max() : config.capacity) {
     if (window_ == 0) throw std::invalid_argument("RingKvCache: config.window: expected > 0, given 0");
+    constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+    if (config.slack > max - config.window || config.sinks > max - ring_) {
+      throw std::length_error("RingKvCache: config.sinks + window + slack: expected to fit in std::size_t, given " +
+                              std::to_string(config.sinks) + " + " + std::to_string(config.window) + " + " +
+                              std::to_string(config.slack));
+    }
+    detail::check_footprint("RingKvCache", geometry(), slots(), sizeof(T));
     layers_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) {
       layers_.push_back(Layer{detail::AlignedBuffer<T>(elements(slots())), detail::AlignedBuffer<T>(elements(slots())),
@@ -100,8 +108,9 @@ class RingKvCache : public detail::CacheBase {
 
   /// Forgets everything after `length` tokens, copying nothing. Works while every layer still
   /// holds the positions a query at `length` needs (the window before it), which `slack`
-  /// guarantees for rollbacks of up to slack + 1 tokens after a single-token update; throws
-  /// std::out_of_range otherwise, leaving the cache unchanged.
+  /// guarantees for rollbacks of up to slack + 1 tokens after a single-token update (and any
+  /// rollback into the last chunk); throws std::out_of_range otherwise, or if a layer holds fewer
+  /// than `length` tokens, leaving the cache unchanged.
   void truncate(std::size_t length) {
     check_truncate(length);
     for (std::size_t l = 0; l < layers_.size(); ++l) {

@@ -43,6 +43,8 @@ class CacheBase {
   CacheBase(std::string_view name, const Geometry& geometry)
       : name_(name), geometry_(geometry), lengths_(geometry.layers, 0) {}
 
+  [[nodiscard]] const Geometry& geometry() const noexcept { return geometry_; }
+
   /// Validates an update of `layer` against the geometry, its length and `capacity`; returns
   /// the layer's length (the first new position).
   template <class T>

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <limits>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -57,6 +59,24 @@ inline Geometry check_dense_config(std::string_view cache, const KvCacheConfig& 
                                 std::to_string(c.sinks) + "/" + std::to_string(c.slack));
   }
   return g;
+}
+
+/// Checks that K and V for `tokens` positions of every layer, `value_bytes` each, fit in a
+/// std::size_t; std::length_error otherwise (the product would wrap and allocate too little).
+/// Returns `tokens`.
+inline std::size_t check_footprint(std::string_view cache, const Geometry& g, std::size_t tokens,
+                                   std::size_t value_bytes) {
+  std::size_t bytes = 2;
+  for (const std::size_t factor : {g.layers, g.batch, g.kv_heads, g.head_dim, tokens, value_bytes}) {
+    if (factor != 0 && bytes > std::numeric_limits<std::size_t>::max() / factor) {
+      throw std::length_error(std::string(cache) + ": config: K and V bytes (2 x layers " + std::to_string(g.layers) +
+                              " x batch " + std::to_string(g.batch) + " x kv_heads " + std::to_string(g.kv_heads) +
+                              " x head_dim " + std::to_string(g.head_dim) + " x tokens " + std::to_string(tokens) +
+                              " x " + std::to_string(value_bytes) + "): expected to fit in std::size_t, given more");
+    }
+    bytes *= factor;
+  }
+  return tokens;
 }
 
 inline void check_layer(std::string_view call, std::size_t layer, std::size_t layers) {
