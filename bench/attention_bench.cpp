@@ -35,16 +35,7 @@
 #include <thread>
 #include <vector>
 
-// GCC 12 reports a false -Wrestrict inside std::string's operator+ when it inlines the
-// shape messages of the checks at -O3 (GCC bug 105651); the code is fine.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wrestrict"
-#endif
 #include "kvcache/kvcache.hpp"
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
-#pragma GCC diagnostic pop
-#endif
 
 namespace {
 

@@ -146,7 +146,7 @@ struct Case {
   float scale;         // 0: 1/sqrt(D)
 };
 
-// T in {1, 2, 7, 64}, N up to 2048, H_q/H_kv in {1, 2, 4, 8}, D in {32, 64, 128}, with and
+// T in {1, 2, 7, 64}, N up to 2048, H_q/H_kv in {1, 2, 4, 8}, D in {32, 64, 128, 256}, with and
 // without windows and sinks, on either side. Rings with slack keep keys attention must not read;
 // a chunk longer than slack + 1 is staged as a segment of its own.
 const std::vector<Case> kCases = {
@@ -160,7 +160,8 @@ const std::vector<Case> kCases = {
     {1, 1, 8, 128, 2, 1000, {0, 5}, {128, 1}, 4, 0.0F},
     {2, 2, 2, 64, 1, 129, {64, 2}, {100, 0}, 0, 0.0F},
     {1, 1, 2, 128, 64, 700, {100, 4}, {256, 4}, 70, 0.5F},
-    {1, 2, 4, 32, 1, 1500, {}, {}, 0, 8.0F},  // peaked softmax: exercises the running max
+    {1, 2, 4, 32, 1, 1500, {}, {}, 0, 8.0F},       // peaked softmax: exercises the running max
+    {1, 1, 4, 256, 2, 300, {}, {64, 2}, 4, 0.0F},  // the largest head size read with a compile-time row
     // Head dims that are not a whole number of vector registers at any width: the tails.
     {1, 2, 2, 40, 3, 150, {}, {}, 0, 0.0F},
     {1, 1, 4, 7, 1, 90, {}, {20, 2}, 3, 0.0F},

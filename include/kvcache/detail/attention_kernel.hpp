@@ -65,13 +65,13 @@ class VisibilityRule {
   std::size_t sinks_[2];
 };
 
-/// The cache lines of a run of K rows and of V rows, asked for a few at a time: spread over a
-/// tile's arithmetic, memory keeps streaming and never holds more requests than it can serve.
+/// The cache lines of a run of K rows, and of V rows when asked, a few at a time: spread over
+/// a tile's arithmetic, memory keeps streaming and never holds more requests than it can serve.
 class LineFetcher {
  public:
   LineFetcher() noexcept = default;
-  /// `rows` rows of `row_bytes` from `keys` and from `values`, `key_stride` and `value_stride`
-  /// bytes apart.
+  /// `rows` rows of `row_bytes` from `keys`, `key_stride` bytes apart, and from `values` (may be
+  /// null), `value_stride` bytes apart.
   LineFetcher(const void* keys, std::size_t key_stride, const void* values, std::size_t value_stride,
               std::size_t row_bytes, std::size_t rows) noexcept
       : keys_(static_cast<const char*>(keys)),
@@ -94,12 +94,8 @@ class LineFetcher {
 
  private:
   KVCACHE_ALWAYS_INLINE void fetch_row() noexcept {
-    const char* k = keys_ + row_ * key_stride_;
-    const char* v = values_ + row_ * value_stride_;
-    for (std::size_t offset = 0; offset < row_bytes_; offset += 64) {
-      prefetch(k + offset, 1);
-      prefetch(v + offset, 1);
-    }
+    prefetch(keys_ + row_ * key_stride_, row_bytes_);
+    if (values_ != nullptr) prefetch(values_ + row_ * value_stride_, row_bytes_);
     ++row_;
   }
   const char* keys_ = nullptr;
@@ -237,6 +233,10 @@ class AttentionKernel {
   static constexpr bool kScoresFour = kVectorBytes == 64 && kW % 4 == 0;
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
+  // The longest V row that `rows` (4 or 2) rows of accumulators hold in registers at once.
+  static constexpr std::size_t whole_row(std::size_t rows) noexcept {
+    return rows == 4 ? kBlockRegisters<4, Stored, Acc> * kW : kBlockRegisters<2, Stored, Acc> * kW;
+  }
 
   /// Row r of a block is query first_query + r / G of query head kv_head * G + r % G.
   [[nodiscard]] std::size_t head_of(const AttentionItem& item, std::size_t r) const noexcept {
@@ -299,17 +299,22 @@ class AttentionKernel {
       if (w.covers[t] == Cover::kNone) continue;
       for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) w.readers.push_back(r);
     }
-    // The next tile's K and V rows are asked for while this one computes, a row at a time
-    // spread over the chunks of scores and the weighted V rows. With the least arithmetic per
-    // byte (one float row over float K and V) the hardware prefetcher keeps up by itself, and
-    // prefetch instructions only cost issue slots (measured on an AVX-512 AMD EPYC).
+    // The next tile's rows are asked for while this one computes, a row at a time spread over
+    // the chunks of scores and the weighted V rows. K rows always: scores read several at once,
+    // a pattern the hardware prefetcher does not follow. V rows only when narrower than the
+    // accumulators (16-bit): the first pass over V reads whole rows in order, which the
+    // prefetcher follows well for float rows (asking too cost 10-15%) but not for half-length
+    // ones (asking gained 5-15%). With the least arithmetic per byte (one float row over float K
+    // and V) it keeps up with K too, and prefetch instructions only cost issue slots. (All
+    // measured on an AVX-512 AMD EPYC.)
     const bool fetch = w.readers.size() * sizeof(Acc) >= 2 * sizeof(T);
     const std::size_t next = fetch ? std::min(tile_, ahead) : 0;
     LineFetcher fetcher;
     if (next > 0) {
+      const bool values = sizeof(T) < sizeof(Acc);
       fetcher = LineFetcher(segment.keys.row(item.batch, item.kv_head, first + count),
                             segment.keys.strides().tokens * sizeof(T),
-                            segment.values.row(item.batch, item.kv_head, first + count),
+                            values ? segment.values.row(item.batch, item.kv_head, first + count) : nullptr,
                             segment.values.strides().tokens * sizeof(T), dim_ * sizeof(T), next);
     }
     {
@@ -320,7 +325,9 @@ class AttentionKernel {
       const auto chunks = [&](std::size_t keys) { return keys == 0 ? 0 : (count + keys - 1) / keys; };
       const std::size_t scoring =
           quads * chunks(kW / 4) + pairs * chunks(kW / 2) + (n - 4 * quads - 2 * pairs) * chunks(kW);
-      fetcher.pace(scoring + (n / 4 + n % 4 / 2 + n % 2) * count);
+      std::size_t groups = 0;
+      for_each_value_group(n, [&](auto, std::size_t) { ++groups; });
+      fetcher.pace(scoring + groups * count);
     }
     with_rows(segment.keys, item, first, count, w.keys, [&](const Stored* keys, std::size_t stride) {
       // Four rows at a time where 32 registers hold their queries, then two, then one: each K
@@ -349,21 +356,76 @@ class AttentionKernel {
     });
     if (!w.active.empty()) {
       with_rows(segment.values, item, first, count, w.values, [&](const Stored* values, std::size_t stride) {
-        // Four, two, then one row at a time: each V row is read once for all of them.
-        std::size_t i = 0;
-        for (; i + 4 <= w.active.size(); i += 4) accumulate<4>(w, i, values, stride, count, fetcher);
-        for (; i + 2 <= w.active.size(); i += 2) accumulate<2>(w, i, values, stride, count, fetcher);
-        for (; i < w.active.size(); ++i) accumulate<1>(w, i, values, stride, count, fetcher);
+        for_each_value_group(w.active.size(), [&](auto rows, std::size_t i) {
+          accumulate<decltype(rows)::value>(w, i, values, stride, count, fetcher);
+        });
       });
     }
     fetcher.finish();
   }
 
+  /// Calls f(std::integral_constant<std::size_t, R>{}, i) for groups of rows [i, i + R) covering
+  /// [0, n), each of which reads a tile's V rows once for all its rows. The first group takes
+  /// the tile from memory: as many rows as keep a whole V row in registers (whole_row), so that
+  /// it reads row after row in order, which the hardware prefetcher follows (it does not follow
+  /// a pass over half rows, then over the other halves). The rest read it from L1 four rows at a
+  /// time, then two, then one.
+  template <class F>
+  void for_each_value_group(std::size_t n, const F& f) const {
+    using Four = std::integral_constant<std::size_t, 4>;
+    using Two = std::integral_constant<std::size_t, 2>;
+    using One = std::integral_constant<std::size_t, 1>;
+    std::size_t i = 0;
+    if (n >= 4 && dim_ <= whole_row(4)) {
+      f(Four{}, i);
+      i += 4;
+    } else if (n >= 2 && dim_ <= whole_row(2)) {
+      f(Two{}, i);
+      i += 2;
+    }
+    for (; i + 4 <= n; i += 4) f(Four{}, i);
+    for (; i + 2 <= n; i += 2) f(Two{}, i);
+    for (; i < n; ++i) f(One{}, i);
+  }
+
   /// Scores the tile's keys for readers [i, i + R), kVector / R keys at a time (the last ones
-  /// repeated to fill the registers; their scores are never read).
+  /// repeated to fill the registers; their scores are never read). For the common head sizes
+  /// the loop over a row is unrolled at compile time (see for_each_step), where a call reads at
+  /// most kMaxFixedKeys rows: the loads of sixteen unrolled rows (one query row on AVX-512) are
+  /// more than the hardware prefetcher tracks, and ran a third slower (measured on an AVX-512
+  /// AMD EPYC).
   template <std::size_t R>
   void score(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
              LineFetcher& fetcher) const noexcept {
+    constexpr std::size_t kRead = RowReader<Stored, Acc>::kSplit * kW;
+    if constexpr (kW / R > kMaxFixedKeys) return score_rows<R, 0>(w, i, keys, stride, count, fetcher);
+    switch (dim_) {
+      case 64:
+        if constexpr (64 % kRead == 0) return score_rows<R, 64>(w, i, keys, stride, count, fetcher);
+        break;
+      case 128:
+        if constexpr (128 % kRead == 0) return score_rows<R, 128>(w, i, keys, stride, count, fetcher);
+        break;
+      case 256:
+        if constexpr (256 % kRead == 0) return score_rows<R, 256>(w, i, keys, stride, count, fetcher);
+        break;
+      default:
+        break;
+    }
+    score_rows<R, 0>(w, i, keys, stride, count, fetcher);
+  }
+
+#if defined(__clang__)
+  // Clang 14 spills the unrolled rows' registers: there the loop ran twice as fast.
+  static constexpr std::size_t kMaxFixedKeys = 0;
+#else
+  static constexpr std::size_t kMaxFixedKeys = 8;
+#endif
+
+  /// score() for a head size known at compile time (Dim), or not (0).
+  template <std::size_t R, std::size_t Dim>
+  void score_rows(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
+                  LineFetcher& fetcher) const noexcept {
     constexpr std::size_t kKeys = kW / R;
     const Acc* q[R];
     Acc* out[R];
@@ -372,7 +434,7 @@ class AttentionKernel {
       const Stored* rows[kKeys];
       for (std::size_t k = 0; k < kKeys; ++k) rows[k] = keys + std::min(j + k, count - 1) * stride;
       for (std::size_t r = 0; r < R; ++r) out[r] = w.scores.data() + w.readers[i + r] * tile_ + j;
-      score_keys<R>(q, rows, dim_, out);
+      score_keys<R, Dim>(q, rows, dim_, out);
       fetcher.tick();
     }
   }

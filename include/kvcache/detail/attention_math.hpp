@@ -18,6 +18,15 @@
 
 #include <Eigen/Core>
 
+#if defined(__GNUC__) || defined(__clang__)
+// For code that must end up inside the loop that calls it: the steps of an unrolled row (each
+// its own instructions, see for_each_step), and prefetches (GCC finds a function that only
+// prefetches free of side effects and deletes calls to it before inlining them).
+#define KVCACHE_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define KVCACHE_ALWAYS_INLINE
+#endif
+
 namespace kvcache::detail {
 
 // The vector register width this translation unit is compiled for (the library is header-only,
@@ -96,7 +105,7 @@ using Vector = typename VectorOf<E>::type;
 /// Calls f(std::integral_constant<std::size_t, i>) for i in [0, N), unrolled: arrays of
 /// registers indexed this way stay in registers.
 template <std::size_t N, class F>
-inline void unroll(const F& f) noexcept {
+KVCACHE_ALWAYS_INLINE inline void unroll(const F& f) noexcept {
   [&]<std::size_t... I>(std::index_sequence<I...>) { (f(std::integral_constant<std::size_t, I>{}), ...); }
   (std::make_index_sequence<N>{});
 }
@@ -259,10 +268,25 @@ inline V transpose_sum(const V (&a)[N]) noexcept {
   }
 }
 
+/// Calls f(d) for d = 0, Step, 2 Step, ... while d + Step <= dim. Unrolled when Dim (the same
+/// dim, known at compile time) is given, d then an integral_constant: every load in f is an
+/// instruction of its own (f is instantiated once per step, inlined or not) that moves by one
+/// constant stride from call to call, a pattern the hardware prefetcher follows.
+template <std::size_t Dim, std::size_t Step, class F>
+KVCACHE_ALWAYS_INLINE inline void for_each_step(std::size_t dim, const F& f) noexcept {
+  if constexpr (Dim != 0) {
+    static_assert(Dim % Step == 0, "for_each_step: Dim must be a whole number of steps.");
+    unroll<Dim / Step>([&](auto i) KVCACHE_ALWAYS_INLINE { f(std::integral_constant<std::size_t, i * Step>{}); });
+  } else {
+    for (std::size_t d = 0; d + Step <= dim; d += Step) f(d);
+  }
+}
+
 /// out[r][k] = q[r] . keys[k] for R query rows and K = W / R keys (W = kVector<Acc>): R x K = W
 /// accumulators, summed together by transpose_sum, so each key row read (and widened) serves R
-/// rows. q is in lane_of order; out[r] gets K values.
-template <std::size_t R, class T, class Acc>
+/// rows. q is in lane_of order; out[r] gets K values. Dim is dim when known at compile time
+/// (a multiple of a read), else 0.
+template <std::size_t R, std::size_t Dim = 0, class T, class Acc>
 inline void score_keys(const Acc* const (&q)[R], const T* const (&keys)[kVector<Acc> / R], std::size_t dim,
                        Acc* const (&out)[R]) noexcept {
   using V = Vector<Acc>;
@@ -274,7 +298,7 @@ inline void score_keys(const Acc* const (&q)[R], const T* const (&keys)[kVector<
   const std::size_t body = dim / (S * W) * (S * W);
   V acc[W];  // row r, key k at r * K + k
   unroll<W>([&](auto i) { acc[i] = V{}; });
-  for (std::size_t d = 0; d < body; d += S * W) {
+  for_each_step<Dim, S * W>(dim, [&](auto d) KVCACHE_ALWAYS_INLINE {
     V qv[R][S];
     unroll<R>([&](auto r) { unroll<S>([&](auto s) { qv[r][s] = in_register(load_vector<V>(q[r] + d + s * W)); }); });
     unroll<K>([&](auto k) {
@@ -285,7 +309,7 @@ inline void score_keys(const Acc* const (&q)[R], const T* const (&keys)[kVector<
         unroll<R>([&](auto r) { acc[r * K + k] += qv[r][s] * x; });
       });
     });
-  }
+  });
   V ordered[W];
   unroll<W>([&](auto l) { ordered[l] = acc[reverse_bits(l, W)]; });
   V sums = transpose_sum<W, W / 2>(ordered);
@@ -433,14 +457,6 @@ inline Acc sum_of(const Acc* x, std::size_t n) noexcept {
   for (; i < n; ++i) sum += x[i];
   return sum;
 }
-
-#if defined(__GNUC__) || defined(__clang__)
-// GCC finds a function that only prefetches free of side effects and deletes calls to it: the
-// prefetches must be inlined into the loop that uses them before it looks.
-#define KVCACHE_ALWAYS_INLINE __attribute__((always_inline))
-#else
-#define KVCACHE_ALWAYS_INLINE
-#endif
 
 /// Hints that `bytes` from `p` will be read soon (a tile ahead of the one being computed).
 KVCACHE_ALWAYS_INLINE inline void prefetch(const void* p, std::size_t bytes) noexcept {
