@@ -401,19 +401,20 @@ class AttentionKernel {
     // Whole reads, and few enough of them: past 16 a row gains nothing from unrolling (the
     // narrow vector widths), only code to compile.
     constexpr auto unrolls = [](std::size_t dim) { return dim % kRead == 0 && dim / kRead <= 16; };
-    if constexpr (kW / R > kMaxFixedKeys) return score_rows<R, 0>(w, i, keys, stride, count, fetcher);
-    switch (dim_) {
-      case 64:
-        if constexpr (unrolls(64)) return score_rows<R, 64>(w, i, keys, stride, count, fetcher);
-        break;
-      case 128:
-        if constexpr (unrolls(128)) return score_rows<R, 128>(w, i, keys, stride, count, fetcher);
-        break;
-      case 256:
-        if constexpr (unrolls(256)) return score_rows<R, 256>(w, i, keys, stride, count, fetcher);
-        break;
-      default:
-        break;
+    if constexpr (kW / R <= kMaxFixedKeys) {
+      switch (dim_) {
+        case 64:
+          if constexpr (unrolls(64)) return score_rows<R, 64>(w, i, keys, stride, count, fetcher);
+          break;
+        case 128:
+          if constexpr (unrolls(128)) return score_rows<R, 128>(w, i, keys, stride, count, fetcher);
+          break;
+        case 256:
+          if constexpr (unrolls(256)) return score_rows<R, 256>(w, i, keys, stride, count, fetcher);
+          break;
+        default:
+          break;
+      }
     }
     score_rows<R, 0>(w, i, keys, stride, count, fetcher);
   }
