@@ -162,6 +162,9 @@ const std::vector<Case> kCases = {
     {1, 1, 2, 128, 64, 700, {100, 4}, {256, 4}, 70, 0.5F},
     {1, 2, 4, 32, 1, 1500, {}, {}, 0, 8.0F},       // peaked softmax: exercises the running max
     {1, 1, 4, 256, 2, 300, {}, {64, 2}, 4, 0.0F},  // the largest head size read with a compile-time row
+    // One query row per kv head: keys read one whole row after another, a partial last register.
+    {1, 2, 1, 128, 1, 777, {}, {100, 2}, 5, 0.0F},
+    {1, 1, 1, 64, 3, 261, {50, 1}, {}, 0, 0.0F},
     // Head dims that are not a whole number of vector registers at any width: the tails.
     {1, 2, 2, 40, 3, 150, {}, {}, 0, 0.0F},
     {1, 1, 4, 7, 1, 90, {}, {20, 2}, 3, 0.0F},

@@ -327,6 +327,43 @@ inline void score_keys(const Acc* const (&q)[R], const T* const (&keys)[kVector<
   unroll<R>([&](auto r) { std::memcpy(out[r], lanes + r * K, K * sizeof(Acc)); });
 }
 
+/// out[j] = q . rows[j] for `count` rows `stride` apart, read one whole row after another, so
+/// that every load moves by one row stride from key to key. q (Dim values in lane_of order)
+/// stays in registers; a key's products stay a vector, lanes not yet summed, until W keys are
+/// done and transpose_sum adds them up. tick() is called once per W keys.
+template <std::size_t Dim, class T, class Acc, class Tick>
+inline void score_in_order(const Acc* q, const T* rows, std::size_t stride, std::size_t count, Acc* out,
+                           const Tick& tick) noexcept {
+  using V = Vector<Acc>;
+  using Reader = RowReader<T, Acc>;
+  constexpr std::size_t W = kVector<Acc>;
+  constexpr std::size_t S = Reader::kSplit;
+  static_assert(Dim % (S * W) == 0 && Dim > 0, "score_in_order: Dim must be a whole number of reads.");
+  V query[Dim / W];
+  unroll<Dim / W>([&](auto c) { query[c] = load_vector<V>(q + c * W); });
+  for (std::size_t first = 0; first < count; first += W) {
+    const std::size_t n = std::min(W, count - first);
+    V products[W];
+    for (std::size_t k = 0; k < n; ++k) {
+      const T* row = rows + (first + k) * stride;
+      V chains[2] = {};  // two chains of multiply-adds, so each waits on half as many
+      for_each_step<Dim, S * W>(Dim, [&](auto d) KVCACHE_ALWAYS_INLINE {
+        V x[S];
+        Reader::load(row + d, x);
+        unroll<S>([&](auto s) { chains[(d / W + s) % 2] += query[d / W + s] * in_register(x[s]); });
+      });
+      products[k] = chains[0] + chains[1];
+    }
+    for (std::size_t k = n; k < W; ++k) products[k] = V{};
+    V ordered[W];
+    unroll<W>([&](auto l) { ordered[l] = products[reverse_bits(l, W)]; });
+    Acc lanes[W];
+    store_vector(lanes, transpose_sum<W, W / 2>(ordered));
+    std::memcpy(out + first, lanes, n * sizeof(Acc));
+    tick();
+  }
+}
+
 /// acc[r][d, d + C W) += sum_j w[r][j] * rows[j][d, d + C W) for R query rows: each stored row
 /// is read and widened once for all R, into R x C accumulators held in registers.
 /// tick() is called once per row (the caller asks for memory it will need next).
