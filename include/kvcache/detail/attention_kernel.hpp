@@ -65,48 +65,36 @@ class VisibilityRule {
   std::size_t sinks_[2];
 };
 
-/// The cache lines of a run of K rows, and of V rows when asked, a few at a time: spread over
-/// a tile's arithmetic, memory keeps streaming and never holds more requests than it can serve.
-class LineFetcher {
+/// Asks memory for the row a fixed distance ahead of the one a pass reads, in the same stream,
+/// so that requests leave the core while it computes. Measured on an AVX-512 AMD EPYC: a loop
+/// shaped like a tile's passes (512-byte rows, four multiply-adds per cache line) read at 0.65
+/// of the plain read's rate on its own, 0.85 asking 8 KiB ahead. A default one asks for
+/// nothing: the passes that read a tile again from L1.
+class RowFetcher {
  public:
-  LineFetcher() noexcept = default;
-  /// `rows` rows of `row_bytes` from `keys`, `key_stride` bytes apart, and from `values` (may be
-  /// null), `value_stride` bytes apart.
-  LineFetcher(const void* keys, std::size_t key_stride, const void* values, std::size_t value_stride,
-              std::size_t row_bytes, std::size_t rows) noexcept
-      : keys_(static_cast<const char*>(keys)),
-        values_(static_cast<const char*>(values)),
-        key_stride_(key_stride),
-        value_stride_(value_stride),
-        row_bytes_(row_bytes),
-        rows_(rows) {}
+  /// The bytes ahead of the row being read: 6-8 KiB did best there, 1-2 KiB too little.
+  static constexpr std::size_t kAheadBytes = 8192;
 
-  /// Spreads the rows evenly over `ticks` calls of tick().
-  void pace(std::size_t ticks) noexcept { ticks_ = std::max<std::size_t>(ticks, 1); }
-  KVCACHE_ALWAYS_INLINE void tick() noexcept {
-    credit_ += rows_;  // a row is due every ticks_ / rows_ ticks
-    for (; credit_ >= ticks_ && row_ < rows_; credit_ -= ticks_) fetch_row();
-  }
-  /// Asks for whatever is left.
-  void finish() noexcept {
-    while (row_ < rows_) fetch_row();
+  RowFetcher() noexcept = default;
+  /// Rows of `row_bytes` from `rows`, `stride` bytes apart, of which the first `end` exist.
+  RowFetcher(const void* rows, std::size_t stride, std::size_t row_bytes, std::size_t end) noexcept
+      : rows_(static_cast<const char*>(rows)),
+        stride_(stride),
+        row_bytes_(row_bytes),
+        ahead_(std::max<std::size_t>(kAheadBytes / std::max<std::size_t>(row_bytes, 1), 1)),
+        end_(end) {}
+
+  /// Row j is being read.
+  KVCACHE_ALWAYS_INLINE void operator()(std::size_t j) const noexcept {
+    if (j + ahead_ < end_) prefetch(rows_ + (j + ahead_) * stride_, row_bytes_);
   }
 
  private:
-  KVCACHE_ALWAYS_INLINE void fetch_row() noexcept {
-    prefetch(keys_ + row_ * key_stride_, row_bytes_);
-    if (values_ != nullptr) prefetch(values_ + row_ * value_stride_, row_bytes_);
-    ++row_;
-  }
-  const char* keys_ = nullptr;
-  const char* values_ = nullptr;
-  std::size_t key_stride_ = 0;
-  std::size_t value_stride_ = 0;
+  const char* rows_ = nullptr;
+  std::size_t stride_ = 0;
   std::size_t row_bytes_ = 0;
-  std::size_t rows_ = 0;
-  std::size_t ticks_ = 1;
-  std::size_t credit_ = 0;
-  std::size_t row_ = 0;
+  std::size_t ahead_ = 1;
+  std::size_t end_ = 0;
 };
 
 /// One work item: queries [first_query, first_query + queries) of kv head `kv_head` in batch
@@ -264,19 +252,23 @@ class AttentionKernel {
     }
   }
 
-  /// Calls read(rows, stride) with the rows of `view` for (batch, kv_head), keys [first,
-  /// first + count): in place when they widen in registers, else converted once into `scratch`
-  /// for all the rows that share them.
+  /// Calls read(rows, stride, fetch) with the rows of `view` for (batch, kv_head), keys [first,
+  /// first + count), of which `end` exist from `first` on: in place when they widen in
+  /// registers (the pass that reads them from memory asks for rows ahead through `fetch`), else
+  /// converted once into `scratch` for all the rows that share them (the conversion asks).
   template <class Read>
   void with_rows(const TensorView<const T>& view, const AttentionItem& item, std::size_t first, std::size_t count,
-                 std::vector<Acc>& scratch, const Read& read) const noexcept {
+                 std::size_t end, std::vector<Acc>& scratch, const Read& read) const noexcept {
+    const RowFetcher fetch(view.row(item.batch, item.kv_head, first), view.strides().tokens * sizeof(T),
+                           dim_ * sizeof(T), end);
     if constexpr (std::is_same_v<Stored, T>) {
-      read(view.row(item.batch, item.kv_head, first), view.strides().tokens);
+      read(view.row(item.batch, item.kv_head, first), view.strides().tokens, fetch);
     } else {
       for (std::size_t j = 0; j < count; ++j) {
+        fetch(j);
         convert_row(view.row(item.batch, item.kv_head, first + j), scratch.data() + j * dim_, dim_);
       }
-      read(static_cast<const Acc*>(scratch.data()), dim_);
+      read(static_cast<const Acc*>(scratch.data()), dim_, RowFetcher{});
     }
   }
 
@@ -299,69 +291,50 @@ class AttentionKernel {
       if (w.covers[t] == Cover::kNone) continue;
       for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) w.readers.push_back(r);
     }
-    // The next tile's rows are asked for while this one computes, a row at a time spread over
-    // the chunks of scores and the weighted V rows. K rows always: scores read several at once,
-    // a pattern the hardware prefetcher does not follow. V rows only when narrower than the
-    // accumulators (16-bit): the first pass over V reads whole rows in order, which the
-    // prefetcher follows well for float rows (asking too cost 10-15%) but not for half-length
-    // ones (asking gained 5-15%). With the least arithmetic per byte (one float row over float K
-    // and V) it keeps up with K too, and prefetch instructions only cost issue slots. (All
+    // The first pass over K reads the tile from memory and asks for rows ahead (RowFetcher),
+    // where it does enough arithmetic per byte: more than one float row over float K (at one,
+    // the hardware prefetcher keeps up and asking cost 10%; two and four float rows gained
+    // 5-15%, one to four bf16 rows 5-15%). The first pass over V reads whole rows in order and
+    // asks for nothing: asking cost 10-30%. The other passes read the tile from L1. (All
     // measured on an AVX-512 AMD EPYC.)
-    const bool fetch = w.readers.size() * sizeof(Acc) >= 2 * sizeof(T);
-    const std::size_t next = fetch ? std::min(tile_, ahead) : 0;
-    LineFetcher fetcher;
-    if (next > 0) {
-      const bool values = sizeof(T) < sizeof(Acc);
-      fetcher = LineFetcher(segment.keys.row(item.batch, item.kv_head, first + count),
-                            segment.keys.strides().tokens * sizeof(T),
-                            values ? segment.values.row(item.batch, item.kv_head, first + count) : nullptr,
-                            segment.values.strides().tokens * sizeof(T), dim_ * sizeof(T), next);
-    }
-    {
-      // tick()s to come: one per chunk of scores (score), one per V row per group (accumulate).
-      const std::size_t n = w.readers.size();
-      const std::size_t quads = kScoresFour ? n / 4 : 0;
-      const std::size_t pairs = kW % 2 == 0 ? (n - 4 * quads) / 2 : 0;
-      const auto chunks = [&](std::size_t keys) { return keys == 0 ? 0 : (count + keys - 1) / keys; };
-      const std::size_t scoring =
-          quads * chunks(kW / 4) + pairs * chunks(kW / 2) + (n - 4 * quads - 2 * pairs) * chunks(kW);
-      std::size_t groups = 0;
-      for_each_value_group(n, [&](auto, std::size_t) { ++groups; });
-      fetcher.pace(scoring + groups * count);
-    }
-    with_rows(segment.keys, item, first, count, w.keys, [&](const Stored* keys, std::size_t stride) {
-      // Four rows at a time where 32 registers hold their queries, then two, then one: each K
-      // row read (and widened) serves them all.
-      std::size_t i = 0;
-      if constexpr (kScoresFour) {
-        for (; i + 4 <= w.readers.size(); i += 4) score<4>(w, i, keys, stride, count, fetcher);
-      }
-      if constexpr (kW % 2 == 0) {
-        for (; i + 2 <= w.readers.size(); i += 2) score<2>(w, i, keys, stride, count, fetcher);
-      }
-      for (; i < w.readers.size(); ++i) score<1>(w, i, keys, stride, count, fetcher);
-      for (std::size_t t = 0; t < item.queries; ++t) {
-        if (w.covers[t] == Cover::kNone) continue;
-        const std::int64_t query = q_positions_[item.first_query + t];
-        for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
-          Acc* scores = w.scores.data() + r * tile_;
-          if (w.covers[t] == Cover::kSome) {
-            for (std::size_t j = 0; j < count; ++j) {
-              if (!rule_.visible(query, positions[j])) scores[j] = -std::numeric_limits<Acc>::infinity();
-            }
-          }
-          if (update_softmax(scores, count, w.max[r], w.sum[r], w.acc.data() + r * dim_)) w.active.push_back(r);
-        }
-      }
-    });
+    const RowFetcher none;
+    const bool fetch_keys = w.readers.size() * sizeof(Acc) >= 2 * sizeof(T);
+    with_rows(segment.keys, item, first, count, fetch_keys ? count + ahead : 0, w.keys,
+              [&](const Stored* keys, std::size_t stride, const RowFetcher& fetch) {
+                // Four rows at a time where 32 registers hold their queries, then two, then one:
+                // each K row read (and widened) serves them all.
+                std::size_t i = 0;
+                if constexpr (kScoresFour) {
+                  for (; i + 4 <= w.readers.size(); i += 4) score<4>(w, i, keys, stride, count, i == 0 ? fetch : none);
+                }
+                if constexpr (kW % 2 == 0) {
+                  for (; i + 2 <= w.readers.size(); i += 2) score<2>(w, i, keys, stride, count, i == 0 ? fetch : none);
+                }
+                for (; i < w.readers.size(); ++i) score<1>(w, i, keys, stride, count, i == 0 ? fetch : none);
+                for (std::size_t t = 0; t < item.queries; ++t) {
+                  if (w.covers[t] == Cover::kNone) continue;
+                  const std::int64_t query = q_positions_[item.first_query + t];
+                  for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
+                    Acc* scores = w.scores.data() + r * tile_;
+                    if (w.covers[t] == Cover::kSome) {
+                      for (std::size_t j = 0; j < count; ++j) {
+                        if (!rule_.visible(query, positions[j])) scores[j] = -std::numeric_limits<Acc>::infinity();
+                      }
+                    }
+                    if (update_softmax(scores, count, w.max[r], w.sum[r], w.acc.data() + r * dim_)) {
+                      w.active.push_back(r);
+                    }
+                  }
+                }
+              });
     if (!w.active.empty()) {
-      with_rows(segment.values, item, first, count, w.values, [&](const Stored* values, std::size_t stride) {
-        for_each_value_group(w.active.size(), [&](auto rows, std::size_t i) {
-          accumulate<decltype(rows)::value>(w, i, values, stride, count, fetcher);
-        });
-      });
+      with_rows(segment.values, item, first, count, 0, w.values,
+                [&](const Stored* values, std::size_t stride, const RowFetcher&) {
+                  for_each_value_group(w.active.size(), [&](auto rows, std::size_t i) {
+                    accumulate<decltype(rows)::value>(w, i, values, stride, count);
+                  });
+                });
     }
-    fetcher.finish();
   }
 
   /// Calls f(std::integral_constant<std::size_t, R>{}, i) for groups of rows [i, i + R) covering
@@ -392,16 +365,16 @@ class AttentionKernel {
   /// row is unrolled at compile time (score_fixed); any other size takes the loop of score_rows.
   template <std::size_t R>
   void score(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
-             LineFetcher& fetcher) const noexcept {
+             const RowFetcher& fetch) const noexcept {
     switch (dim_) {
       case 64:
-        return score_fixed<R, 64>(w, i, keys, stride, count, fetcher);
+        return score_fixed<R, 64>(w, i, keys, stride, count, fetch);
       case 128:
-        return score_fixed<R, 128>(w, i, keys, stride, count, fetcher);
+        return score_fixed<R, 128>(w, i, keys, stride, count, fetch);
       case 256:
-        return score_fixed<R, 256>(w, i, keys, stride, count, fetcher);
+        return score_fixed<R, 256>(w, i, keys, stride, count, fetch);
       default:
-        return score_rows<R, 0>(w, i, keys, stride, count, fetcher);
+        return score_rows<R, 0>(w, i, keys, stride, count, fetch);
     }
   }
 
@@ -424,22 +397,22 @@ class AttentionKernel {
   /// measured on an AVX-512 AMD EPYC.
   template <std::size_t R, std::size_t Dim>
   void score_fixed(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
-                   LineFetcher& fetcher) const noexcept {
+                   const RowFetcher& fetch) const noexcept {
     constexpr std::size_t kRead = RowReader<Stored, Acc>::kSplit * kW;
     if constexpr (R == 1 && Dim % kRead == 0 && Dim / kW <= kAccumulators) {
       score_in_order<Dim>(w.queries.data() + w.readers[i] * dim_, keys, stride, count,
-                          w.scores.data() + w.readers[i] * tile_, [&] { fetcher.tick(); });
+                          w.scores.data() + w.readers[i] * tile_, fetch);
     } else if constexpr (kW / R <= kMaxFixedKeys && Dim % kRead == 0 && Dim / kRead <= 16) {
-      score_rows<R, Dim>(w, i, keys, stride, count, fetcher);
+      score_rows<R, Dim>(w, i, keys, stride, count, fetch);
     } else {
-      score_rows<R, 0>(w, i, keys, stride, count, fetcher);
+      score_rows<R, 0>(w, i, keys, stride, count, fetch);
     }
   }
 
   /// score() for a head size known at compile time (Dim), or not (0).
   template <std::size_t R, std::size_t Dim>
   void score_rows(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
-                  LineFetcher& fetcher) const noexcept {
+                  const RowFetcher& fetch) const noexcept {
     constexpr std::size_t kKeys = kW / R;
     const Acc* q[R];
     Acc* out[R];
@@ -448,23 +421,22 @@ class AttentionKernel {
       const Stored* rows[kKeys];
       for (std::size_t k = 0; k < kKeys; ++k) rows[k] = keys + std::min(j + k, count - 1) * stride;
       for (std::size_t r = 0; r < R; ++r) out[r] = w.scores.data() + w.readers[i + r] * tile_ + j;
+      for (std::size_t k = j; k < std::min(j + kKeys, count); ++k) fetch(k);
       score_keys<R, Dim>(q, rows, dim_, out);
-      fetcher.tick();
     }
   }
 
   /// Adds the weighted V rows of the tile into the accumulators of active rows [i, i + R).
   template <std::size_t R>
-  void accumulate(Workspace& w, std::size_t i, const Stored* values, std::size_t stride, std::size_t count,
-                  LineFetcher& fetcher) const noexcept {
+  void accumulate(Workspace& w, std::size_t i, const Stored* values, std::size_t stride,
+                  std::size_t count) const noexcept {
     Acc* acc[R];
     const Acc* weights[R];
     for (std::size_t r = 0; r < R; ++r) {
       acc[r] = w.acc.data() + w.active[i + r] * dim_;
       weights[r] = w.scores.data() + w.active[i + r] * tile_;
     }
-    accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_,
-                                                        [&] { fetcher.tick(); });
+    accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_);
   }
 
   /// Online softmax: turns a row's scores into weights against its running max, rescaling the

@@ -330,10 +330,10 @@ inline void score_keys(const Acc* const (&q)[R], const T* const (&keys)[kVector<
 /// out[j] = q . rows[j] for `count` rows `stride` apart, read one whole row after another, so
 /// that every load moves by one row stride from key to key. q (Dim values in lane_of order)
 /// stays in registers; a key's products stay a vector, lanes not yet summed, until W keys are
-/// done and transpose_sum adds them up. tick() is called once per W keys.
-template <std::size_t Dim, class T, class Acc, class Tick>
+/// done and transpose_sum adds them up. fetch(j) is called as row j is read.
+template <std::size_t Dim, class T, class Acc, class Fetch>
 inline void score_in_order(const Acc* q, const T* rows, std::size_t stride, std::size_t count, Acc* out,
-                           const Tick& tick) noexcept {
+                           const Fetch& fetch) noexcept {
   using V = Vector<Acc>;
   using Reader = RowReader<T, Acc>;
   constexpr std::size_t W = kVector<Acc>;
@@ -346,6 +346,7 @@ inline void score_in_order(const Acc* q, const T* rows, std::size_t stride, std:
     V products[W];
     for (std::size_t k = 0; k < n; ++k) {
       const T* row = rows + (first + k) * stride;
+      fetch(first + k);
       V chains[2] = {};  // two chains of multiply-adds, so each waits on half as many
       for_each_step<Dim, S * W>(Dim, [&](auto d) KVCACHE_ALWAYS_INLINE {
         V x[S];
@@ -360,16 +361,14 @@ inline void score_in_order(const Acc* q, const T* rows, std::size_t stride, std:
     Acc lanes[W];
     store_vector(lanes, transpose_sum<W, W / 2>(ordered));
     std::memcpy(out + first, lanes, n * sizeof(Acc));
-    tick();
   }
 }
 
 /// acc[r][d, d + C W) += sum_j w[r][j] * rows[j][d, d + C W) for R query rows: each stored row
 /// is read and widened once for all R, into R x C accumulators held in registers.
-/// tick() is called once per row (the caller asks for memory it will need next).
-template <std::size_t R, std::size_t C, class T, class Acc, class Tick>
+template <std::size_t R, std::size_t C, class T, class Acc>
 inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows, std::size_t stride,
-                             std::size_t count, std::size_t d, const Tick& tick) noexcept {
+                             std::size_t count, std::size_t d) noexcept {
   using V = Vector<Acc>;
   using Reader = RowReader<T, Acc>;
   constexpr std::size_t W = kVector<Acc>;
@@ -389,33 +388,21 @@ inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], con
         unroll<R>([&](auto r) { a[r][c * S + s] += p[r] * v; });
       });
     });
-    tick();
   }
   unroll<R>([&](auto r) { unroll<C>([&](auto c) { store_vector(acc[r] + d + c * W, a[r][c]); }); });
 }
 
 /// acc[r][d, dim) += sum_j w[r][j] * rows[j][d, dim) for R query rows (accumulators in lane_of
 /// order): blocks of C registers per row while they fit, then half as many, down to one read,
-/// then scalars for the tail. tick() is called once per row in the first block only.
-template <std::size_t R, std::size_t C, class T, class Acc, class Tick>
+/// then scalars for the tail.
+template <std::size_t R, std::size_t C, class T, class Acc>
 inline void accumulate_rows(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows, std::size_t stride,
-                            std::size_t count, std::size_t dim, const Tick& tick, std::size_t d = 0) noexcept {
+                            std::size_t count, std::size_t dim, std::size_t d = 0) noexcept {
   constexpr std::size_t W = kVector<Acc>;
   constexpr std::size_t S = RowReader<T, Acc>::kSplit;
-  const auto none = [] {};
-  for (; d + C * W <= dim; d += C * W) {
-    if (d == 0) {
-      accumulate_block<R, C>(acc, w, rows, stride, count, d, tick);
-    } else {
-      accumulate_block<R, C>(acc, w, rows, stride, count, d, none);
-    }
-  }
+  for (; d + C * W <= dim; d += C * W) accumulate_block<R, C>(acc, w, rows, stride, count, d);
   if constexpr (C > S) {
-    if (d == 0) {
-      accumulate_rows<R, C / 2>(acc, w, rows, stride, count, dim, tick, d);
-    } else {
-      accumulate_rows<R, C / 2>(acc, w, rows, stride, count, dim, none, d);
-    }
+    accumulate_rows<R, C / 2>(acc, w, rows, stride, count, dim, d);
   } else {
     for (std::size_t r = 0; r < R; ++r) {
       for (std::size_t i = d; i < dim; ++i) {
