@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <span>
 #include <system_error>
 #include <thread>
@@ -112,10 +113,13 @@ struct AttentionItem {
 template <class T, class Q, class Acc>
 class AttentionKernel {
  public:
-  /// Scratch of one worker: a block's queries and accumulators, a tile's scores and, for
-  /// stored types other than Acc, the tile converted to Acc.
+  /// Scratch of one worker: a block's queries and accumulators, a tile's scores and, for rows
+  /// that do not widen in registers, the tile converted to Acc. The tile-sized buffers are left
+  /// uninitialized (every value is written before it is read): a call over a short history
+  /// would otherwise spend a good part of its time zeroing them.
   struct Workspace {
-    std::vector<Acc> queries, acc, max, sum, scores, keys, values;
+    std::vector<Acc> queries, acc, max, sum;
+    std::unique_ptr<Acc[]> scores, keys, values;
     std::vector<VisibilityRule::Cover> covers;
     std::vector<std::size_t> readers;  // the rows whose query may see a key of the current tile
     std::vector<std::size_t> active;   // the readers that do
@@ -149,15 +153,17 @@ class AttentionKernel {
   [[nodiscard]] std::size_t partial_size() const noexcept { return rows_ * (dim_ + 2); }
 
   [[nodiscard]] Workspace workspace() const {
-    constexpr bool convert = !std::is_same_v<T, Acc>;
+    constexpr bool convert = !std::is_same_v<Stored, T>;  // rows that do not widen in registers
     Workspace w;
     w.queries.resize(rows_ * dim_);
     w.acc.resize(rows_ * dim_);
     w.max.resize(rows_);
     w.sum.resize(rows_);
-    w.scores.resize(rows_ * tile_);
-    w.keys.resize(convert ? tile_ * dim_ : 0);
-    w.values.resize(convert ? tile_ * dim_ : 0);
+    w.scores = std::unique_ptr<Acc[]>(new Acc[rows_ * tile_]);
+    if (convert) {
+      w.keys = std::unique_ptr<Acc[]>(new Acc[tile_ * dim_]);
+      w.values = std::unique_ptr<Acc[]>(new Acc[tile_ * dim_]);
+    }
     w.covers.resize(block_queries_);
     w.readers.reserve(rows_);
     w.active.reserve(rows_);
@@ -263,7 +269,7 @@ class AttentionKernel {
   /// converted once into `scratch` for all the rows that share them (the conversion asks).
   template <class Read>
   void with_rows(const TensorView<const T>& view, const AttentionItem& item, std::size_t first, std::size_t count,
-                 std::size_t end, std::vector<Acc>& scratch, const Read& read) const noexcept {
+                 std::size_t end, const std::unique_ptr<Acc[]>& scratch, const Read& read) const noexcept {
     const RowFetcher fetch(view.row(item.batch, item.kv_head, first), view.strides().tokens * sizeof(T),
                            dim_ * sizeof(T), end);
     if constexpr (std::is_same_v<Stored, T>) {
@@ -271,9 +277,9 @@ class AttentionKernel {
     } else {
       for (std::size_t j = 0; j < count; ++j) {
         fetch(j);
-        convert_row(view.row(item.batch, item.kv_head, first + j), scratch.data() + j * dim_, dim_);
+        convert_row(view.row(item.batch, item.kv_head, first + j), scratch.get() + j * dim_, dim_);
       }
-      read(static_cast<const Acc*>(scratch.data()), dim_, RowFetcher{});
+      read(static_cast<const Acc*>(scratch.get()), dim_, RowFetcher{});
     }
   }
 
@@ -320,7 +326,7 @@ class AttentionKernel {
                   if (w.covers[t] == Cover::kNone) continue;
                   const std::int64_t query = q_positions_[item.first_query + t];
                   for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
-                    Acc* scores = w.scores.data() + r * tile_;
+                    Acc* scores = w.scores.get() + r * tile_;
                     if (w.covers[t] == Cover::kSome) {
                       for (std::size_t j = 0; j < count; ++j) {
                         if (!rule_.visible(query, positions[j])) scores[j] = -std::numeric_limits<Acc>::infinity();
@@ -406,7 +412,7 @@ class AttentionKernel {
     constexpr std::size_t kRead = RowReader<Stored, Acc>::kSplit * kW;
     if constexpr (R == 1 && Dim % kRead == 0 && Dim / kW <= kAccumulators) {
       score_in_order<Dim>(w.queries.data() + w.readers[i] * dim_, keys, stride, count,
-                          w.scores.data() + w.readers[i] * tile_, fetch);
+                          w.scores.get() + w.readers[i] * tile_, fetch);
     } else if constexpr (kW / R <= kMaxFixedKeys && Dim % kRead == 0 && Dim / kRead <= 16) {
       score_rows<R, Dim>(w, i, keys, stride, count, fetch);
     } else {
@@ -425,7 +431,7 @@ class AttentionKernel {
     for (std::size_t j = 0; j < count; j += kKeys) {
       const Stored* rows[kKeys];
       for (std::size_t k = 0; k < kKeys; ++k) rows[k] = keys + std::min(j + k, count - 1) * stride;
-      for (std::size_t r = 0; r < R; ++r) out[r] = w.scores.data() + w.readers[i + r] * tile_ + j;
+      for (std::size_t r = 0; r < R; ++r) out[r] = w.scores.get() + w.readers[i + r] * tile_ + j;
       for (std::size_t k = j; k < std::min(j + kKeys, count); ++k) fetch(k);
       score_keys<R, Dim>(q, rows, dim_, out);
     }
@@ -439,7 +445,7 @@ class AttentionKernel {
     const Acc* weights[R];
     for (std::size_t r = 0; r < R; ++r) {
       acc[r] = w.acc.data() + w.active[i + r] * dim_;
-      weights[r] = w.scores.data() + w.active[i + r] * tile_;
+      weights[r] = w.scores.get() + w.active[i + r] * tile_;
     }
     accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_);
   }
