@@ -199,7 +199,9 @@ struct RowReader<Eigen::bfloat16, float> {
   static_assert(sizeof(Eigen::bfloat16) == 2);
   static constexpr std::size_t kSplit = 2;
   static void load(const Eigen::bfloat16* p, Vector<float> (&out)[kSplit]) noexcept {
-    const auto pairs = load_vector<Vector<std::uint32_t>>(p);
+    // One load: GCC would fold it into both operations and read every line twice from L1
+    // (one bf16 query row ran 5-10% faster from memory with one).
+    const auto pairs = in_register(load_vector<Vector<std::uint32_t>>(p));
     out[0] = std::bit_cast<Vector<float>>(pairs << 16);                                      // even values
     out[1] = std::bit_cast<Vector<float>>(pairs & static_cast<std::uint32_t>(0xFFFF0000U));  // odd values
   }
