@@ -288,10 +288,16 @@ class AttentionKernel {
                 std::size_t ahead, Workspace& w) const noexcept {
     using Cover = VisibilityRule::Cover;
     const std::span<const std::int64_t> positions = segment.positions.subspan(first, count);
-    const auto [low, high] = std::minmax_element(positions.begin(), positions.end());
+    // Values, not iterators (std::minmax_element): a loop the compiler vectorizes.
+    std::int64_t low = positions.front();
+    std::int64_t high = positions.front();
+    for (const std::int64_t p : positions) {
+      low = std::min(low, p);
+      high = std::max(high, p);
+    }
     bool any = false;
     for (std::size_t t = 0; t < item.queries; ++t) {
-      w.covers[t] = rule_.cover(q_positions_[item.first_query + t], *low, *high);
+      w.covers[t] = rule_.cover(q_positions_[item.first_query + t], low, high);
       any = any || w.covers[t] != Cover::kNone;
     }
     if (!any) return;  // a tile no query may read is never loaded
