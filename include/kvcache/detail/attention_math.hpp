@@ -289,8 +289,8 @@ KVCACHE_ALWAYS_INLINE inline void for_each_step(std::size_t dim, const F& f) noe
 /// rows. q is in lane_of order; out[r] gets K values. Dim is dim when known at compile time
 /// (a multiple of a read), else 0.
 template <std::size_t R, std::size_t Dim = 0, class T, class Acc>
-inline void score_keys(const Acc* const (&q)[R], const T* const (&keys)[kVector<Acc> / R], std::size_t dim,
-                       Acc* const (&out)[R]) noexcept {
+KVCACHE_ALWAYS_INLINE inline void score_keys(const Acc* const (&q)[R], const T* const (&keys)[kVector<Acc> / R],
+                                             std::size_t dim, Acc* const (&out)[R]) noexcept {
   using V = Vector<Acc>;
   using Reader = RowReader<T, Acc>;
   constexpr std::size_t W = kVector<Acc>;
