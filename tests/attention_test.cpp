@@ -549,6 +549,28 @@ TEST(AttentionMath, FoldHalvesLeavesTheTotalInLaneZero) {
   EXPECT_EQ(sum[0], 0.0F + 1 + 2 + 3 + 4 + 40 + 6 + 7);
 }
 
+// The register order of a row (queries in, outputs out): for_each_lane gives every position
+// exactly once, with the lane lane_of names, at every length around a group (tails included).
+
+template <class T, class Acc>
+void expect_lanes() {
+  for (std::size_t dim = 0; dim <= 4 * detail::kVector<Acc> + 3; ++dim) {
+    std::vector<int> seen(dim, 0);
+    detail::for_each_lane<T, Acc>(dim, [&](std::size_t d, std::size_t lane) {
+      ASSERT_LT(d, dim);
+      EXPECT_EQ(lane, (detail::lane_of<T, Acc>(d, dim))) << "dim " << dim << " d " << d;
+      ++seen[d];
+    });
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), static_cast<std::ptrdiff_t>(dim)) << "dim " << dim;
+  }
+}
+
+TEST(AttentionMath, ForEachLaneVisitsEveryPositionInRegisterOrder) {
+  expect_lanes<float, float>();
+  expect_lanes<double, double>();
+  expect_lanes<Eigen::bfloat16, float>();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Threads: every split of the work gives the same answer as the caller's thread alone.
 

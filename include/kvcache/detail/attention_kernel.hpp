@@ -247,20 +247,21 @@ class AttentionKernel {
       Acc* dst = w.queries.data() + r * dim_;
       const Q* src = q_.row(item.batch, head_of(item, r), item.first_query + r / group_);
       // Scaled, so that scores come out scaled; in the order the K rows are read in.
-      for (std::size_t d = 0; d < dim_; ++d) dst[lane_of<Stored, Acc>(d, dim_)] = load_as<Acc>(src, d) * scale_;
+      for_each_lane<Stored, Acc>(dim_,
+                                 [&](std::size_t d, std::size_t lane) { dst[lane] = load_as<Acc>(src, d) * scale_; });
     }
   }
 
   void write_row(const AttentionItem& item, std::size_t r, const Acc* acc, Acc sum) const noexcept {
     Q* dst = out_.row(item.batch, head_of(item, r), item.first_query + r / group_);
     const Acc inverse = sum > 0 ? Acc{1} / sum : Acc{0};  // no visible key: zeros
-    for (std::size_t d = 0; d < dim_; ++d) {
+    for_each_lane<Stored, Acc>(dim_, [&](std::size_t d, std::size_t lane) {
       if constexpr (std::is_same_v<Q, Eigen::half> || std::is_same_v<Q, Eigen::bfloat16>) {
-        dst[d] = static_cast<Q>(static_cast<float>(acc[lane_of<Stored, Acc>(d, dim_)] * inverse));
+        dst[d] = static_cast<Q>(static_cast<float>(acc[lane] * inverse));
       } else {
-        dst[d] = static_cast<Q>(acc[lane_of<Stored, Acc>(d, dim_)] * inverse);
+        dst[d] = static_cast<Q>(acc[lane] * inverse);
       }
-    }
+    });
   }
 
   /// Calls read(rows, stride, fetch) with the rows of `view` for (batch, kv_head), keys [first,

@@ -219,6 +219,24 @@ inline std::size_t lane_of(std::size_t d, std::size_t dim) noexcept {
   return base + (i % split) * kVector<Acc> + i / split;
 }
 
+/// Calls f(d, lane_of<T, Acc>(d, dim)) for every d < dim: a loop per half of a group instead
+/// of a division per value, which the compiler vectorizes (the queries go into this order and
+/// the outputs come out of it once per row).
+template <class T, class Acc, class F>
+inline void for_each_lane(std::size_t dim, const F& f) noexcept {
+  constexpr std::size_t split = RowReader<T, Acc>::kSplit;
+  constexpr std::size_t W = kVector<Acc>;
+  std::size_t base = 0;
+  if constexpr (split > 1) {
+    for (; base + split * W <= dim; base += split * W) {
+      for (std::size_t s = 0; s < split; ++s) {
+        for (std::size_t i = 0; i < W; ++i) f(base + i * split + s, base + s * W + i);
+      }
+    }
+  }
+  for (std::size_t d = base; d < dim; ++d) f(d, d);
+}
+
 /// Lane l of one half of a pair sum with blocks of 2h lanes: the low (or high) h lanes of each
 /// block of x, then those of the same block of y (lane W + i of the pair is y[i]).
 constexpr int pair_lane(std::size_t w, std::size_t h, bool high, std::size_t l) noexcept {
