@@ -406,13 +406,13 @@ class AttentionKernel {
   /// score() for a head size Dim known at compile time. One query row whose query fits in
   /// registers reads the keys one whole row after another (score_in_order): every load then
   /// moves by one row stride, which the hardware prefetcher follows (float from memory ran
-  /// 10-15% faster than with W keys at a time, a register of each, whose loads jump between
-  /// rows). More rows read kVector / R keys at a time (in order, their queries would not fit in
-  /// registers and ran slower in float and bf16), the loop over a row
-  /// unrolled where a call reads at most kMaxFixedKeys rows (the loads of more unrolled rows
-  /// are more than the hardware prefetcher tracks), and where a row is at most 16 reads (past
-  /// that, at narrow vector widths, unrolling gained nothing, only code to compile). All
-  /// measured on an AVX-512 AMD EPYC.
+  /// 10-15% faster than W keys at a time, a register of each, whose loads jump between rows).
+  /// More rows read kVector / R keys at a time: in order, two rows ran no faster in float and
+  /// slower in bf16, and four rows, whose queries do not fit in registers, ran slower. Their
+  /// loop over a row is unrolled where a call reads at most kMaxFixedKeys rows (the loads of
+  /// more unrolled rows are more than the hardware prefetcher tracks) and a row is at most 16
+  /// reads (past that, at narrow vector widths, unrolling gained nothing, only code to
+  /// compile). All measured on an AVX-512 AMD EPYC.
   template <std::size_t R, std::size_t Dim>
   void score_fixed(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                    const RowFetcher& fetch) const noexcept {
