@@ -313,8 +313,9 @@ class AttentionKernel {
     // where it does enough arithmetic per byte: more than one float row over float K (at one,
     // the hardware prefetcher keeps up and asking cost 10%; two and four float rows gained
     // 5-15%, one to four bf16 rows 5-15%). The first pass over V reads whole rows in order and
-    // asks for nothing: asking cost 10-30%. The other passes read the tile from cache. (All
-    // measured on an AVX-512 AMD EPYC.)
+    // asks only for 16-bit rows read by two or more query rows (bf16 gained 5-10%; float lost
+    // 5-10%, and up to 30% before the tiles grew to 128 KiB). The other passes read the tile
+    // from cache. (All measured on an AVX-512 AMD EPYC.)
     const RowFetcher none;
     const bool fetch_keys = w.readers.size() * sizeof(Acc) >= 2 * sizeof(T);
     with_rows(segment.keys, item, first, count, fetch_keys ? count + ahead : 0, w.keys,
@@ -346,10 +347,11 @@ class AttentionKernel {
                 }
               });
     if (!w.active.empty()) {
-      with_rows(segment.values, item, first, count, 0, w.values,
-                [&](const Stored* values, std::size_t stride, const RowFetcher&) {
+      const bool fetch_values = sizeof(T) < sizeof(Acc) && w.active.size() >= 2;
+      with_rows(segment.values, item, first, count, fetch_values ? count + ahead : 0, w.values,
+                [&](const Stored* values, std::size_t stride, const RowFetcher& fetch) {
                   for_each_value_group(w.active.size(), [&](auto rows, std::size_t i) {
-                    accumulate<decltype(rows)::value>(w, i, values, stride, count);
+                    accumulate<decltype(rows)::value>(w, i, values, stride, count, i == 0 ? fetch : none);
                   });
                 });
     }
@@ -446,15 +448,15 @@ class AttentionKernel {
 
   /// Adds the weighted V rows of the tile into the accumulators of active rows [i, i + R).
   template <std::size_t R>
-  void accumulate(Workspace& w, std::size_t i, const Stored* values, std::size_t stride,
-                  std::size_t count) const noexcept {
+  void accumulate(Workspace& w, std::size_t i, const Stored* values, std::size_t stride, std::size_t count,
+                  const RowFetcher& fetch) const noexcept {
     Acc* acc[R];
     const Acc* weights[R];
     for (std::size_t r = 0; r < R; ++r) {
       acc[r] = w.acc.data() + w.active[i + r] * dim_;
       weights[r] = w.scores.get() + w.active[i + r] * tile_;
     }
-    accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_);
+    accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_, fetch);
   }
 
   /// Online softmax: turns a row's scores into weights against its running max, rescaling the

@@ -385,10 +385,11 @@ inline void score_in_order(const Acc* q, const T* rows, std::size_t stride, std:
 }
 
 /// acc[r][d, d + C W) += sum_j w[r][j] * rows[j][d, d + C W) for R query rows: each stored row
-/// is read and widened once for all R, into R x C accumulators held in registers.
-template <std::size_t R, std::size_t C, class T, class Acc>
+/// is read and widened once for all R, into R x C accumulators held in registers. fetch(j) is
+/// called as row j is read by the block at d = 0, the one that takes the rows from memory.
+template <std::size_t R, std::size_t C, class T, class Acc, class Fetch>
 inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows, std::size_t stride,
-                             std::size_t count, std::size_t d) noexcept {
+                             std::size_t count, std::size_t d, const Fetch& fetch) noexcept {
   using V = Vector<Acc>;
   using Reader = RowReader<T, Acc>;
   constexpr std::size_t W = kVector<Acc>;
@@ -398,6 +399,7 @@ inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], con
   unroll<R>([&](auto r) { unroll<C>([&](auto c) { a[r][c] = load_vector<V>(acc[r] + d + c * W); }); });
   for (std::size_t j = 0; j < count; ++j) {
     const T* row = rows + j * stride + d;
+    if (d == 0) fetch(j);
     V p[R];
     unroll<R>([&](auto r) { p[r] = splat(w[r][j]); });
     unroll<C / S>([&](auto c) {
@@ -414,15 +416,15 @@ inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], con
 
 /// acc[r][d, dim) += sum_j w[r][j] * rows[j][d, dim) for R query rows (accumulators in lane_of
 /// order): blocks of C registers per row while they fit, then half as many, down to one read,
-/// then scalars for the tail.
-template <std::size_t R, std::size_t C, class T, class Acc>
+/// then scalars for the tail. fetch(j) is called as in accumulate_block.
+template <std::size_t R, std::size_t C, class T, class Acc, class Fetch>
 inline void accumulate_rows(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows, std::size_t stride,
-                            std::size_t count, std::size_t dim, std::size_t d = 0) noexcept {
+                            std::size_t count, std::size_t dim, const Fetch& fetch, std::size_t d = 0) noexcept {
   constexpr std::size_t W = kVector<Acc>;
   constexpr std::size_t S = RowReader<T, Acc>::kSplit;
-  for (; d + C * W <= dim; d += C * W) accumulate_block<R, C>(acc, w, rows, stride, count, d);
+  for (; d + C * W <= dim; d += C * W) accumulate_block<R, C>(acc, w, rows, stride, count, d, fetch);
   if constexpr (C > S) {
-    accumulate_rows<R, C / 2>(acc, w, rows, stride, count, dim, d);
+    accumulate_rows<R, C / 2>(acc, w, rows, stride, count, dim, fetch, d);
   } else {
     for (std::size_t r = 0; r < R; ++r) {
       for (std::size_t i = d; i < dim; ++i) {
