@@ -414,6 +414,45 @@ inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], con
   unroll<R>([&](auto r) { unroll<C>([&](auto c) { store_vector(acc[r] + d + c * W, a[r][c]); }); });
 }
 
+/// The first pass over V rows of C registers for four query rows when only two rows of
+/// accumulators fit a whole row: rows 0 and 1 take whole rows, rows 2 and 3 the first halves,
+/// all from one pass over whole rows in order (the one from memory; fetch(j) as row j is read).
+/// Rows 2 and 3 then need only the second halves from cache, half what a second pass over
+/// whole rows reads. 3 C accumulators: only AVX-512's 32 registers hold them.
+template <std::size_t C, class T, class Acc, class Fetch>
+inline void accumulate_two_and_halves(Acc* const (&acc)[4], const Acc* const (&w)[4], const T* rows, std::size_t stride,
+                                      std::size_t count, const Fetch& fetch) noexcept {
+  using V = Vector<Acc>;
+  using Reader = RowReader<T, Acc>;
+  constexpr std::size_t W = kVector<Acc>;
+  constexpr std::size_t S = Reader::kSplit;
+  constexpr std::size_t H = C / 2;
+  static_assert(H % S == 0, "accumulate_two_and_halves: a half row must be a whole number of reads.");
+  V whole[2][C];
+  V half[2][H];
+  unroll<2>([&](auto r) { unroll<C>([&](auto c) { whole[r][c] = load_vector<V>(acc[r] + c * W); }); });
+  unroll<2>([&](auto r) { unroll<H>([&](auto c) { half[r][c] = load_vector<V>(acc[2 + r] + c * W); }); });
+  for (std::size_t j = 0; j < count; ++j) {
+    const T* row = rows + j * stride;
+    fetch(j);
+    V p[4];
+    unroll<4>([&](auto r) { p[r] = splat(w[r][j]); });
+    unroll<C / S>([&](auto c) {
+      V x[S];
+      Reader::load(row + c * S * W, x);
+      unroll<S>([&](auto s) {
+        const V v = in_register(x[s]);
+        unroll<2>([&](auto r) { whole[r][c * S + s] += p[r] * v; });
+        if constexpr (c * S + s < H) {
+          unroll<2>([&](auto r) { half[r][c * S + s] += p[2 + r] * v; });
+        }
+      });
+    });
+  }
+  unroll<2>([&](auto r) { unroll<C>([&](auto c) { store_vector(acc[r] + c * W, whole[r][c]); }); });
+  unroll<2>([&](auto r) { unroll<H>([&](auto c) { store_vector(acc[2 + r] + c * W, half[r][c]); }); });
+}
+
 /// acc[r][d, dim) += sum_j w[r][j] * rows[j][d, dim) for R query rows (accumulators in lane_of
 /// order): blocks of C registers per row while they fit, then half as many, down to one read,
 /// then scalars for the tail. fetch(j) is called as in accumulate_block.
