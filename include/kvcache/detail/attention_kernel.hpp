@@ -313,9 +313,9 @@ class AttentionKernel {
     // where it does enough arithmetic per byte: more than one float row over float K (at one,
     // the hardware prefetcher keeps up and asking cost 10%; two and four float rows gained
     // 5-15%, one to four bf16 rows 5-15%). The first pass over V reads whole rows in order and
-    // asks only for 16-bit rows read by two or more query rows (bf16 gained 5-10%; float lost
-    // 5-10%, and up to 30% before the tiles grew to 128 KiB). The other passes read the tile
-    // from cache. (All measured on an AVX-512 AMD EPYC.)
+    // asks only for 16-bit rows (bf16 gained 5-10% at two and four query rows, 3-8% at one;
+    // float lost 5-10%, and up to 30% before the tiles grew to 128 KiB). The other passes read
+    // the tile from cache. (All measured on an AVX-512 AMD EPYC.)
     const RowFetcher none;
     const bool fetch_keys = w.readers.size() * sizeof(Acc) >= 2 * sizeof(T);
     with_rows(segment.keys, item, first, count, fetch_keys ? count + ahead : 0, w.keys,
@@ -347,7 +347,7 @@ class AttentionKernel {
                 }
               });
     if (!w.active.empty()) {
-      const bool fetch_values = sizeof(T) < sizeof(Acc) && w.active.size() >= 2;
+      constexpr bool fetch_values = sizeof(T) < sizeof(Acc);
       with_rows(segment.values, item, first, count, fetch_values ? count + ahead : 0, w.values,
                 [&](const Stored* values, std::size_t stride, const RowFetcher& fetch) {
                   for_each_value_group(w.active.size(), [&](auto group, std::size_t i) {
