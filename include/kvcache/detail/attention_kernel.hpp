@@ -313,7 +313,7 @@ class AttentionKernel {
     // where it does enough arithmetic per byte: more than one float row over float K (at one,
     // the hardware prefetcher keeps up and asking cost 10%; two and four float rows gained
     // 5-15%, one to four bf16 rows 5-15%). The first pass over V reads whole rows in order and
-    // asks only for 16-bit rows (bf16 gained 5-10% at two and four query rows, 3-8% at one;
+    // asks only for 16-bit rows (bf16 gained 5-10% at two and four query rows, 3-11% at one;
     // float lost 5-10%, and up to 30% before the tiles grew to 128 KiB). The other passes read
     // the tile from cache. (All measured on an AVX-512 AMD EPYC.)
     const RowFetcher none;
