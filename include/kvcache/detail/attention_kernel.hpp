@@ -220,12 +220,14 @@ class AttentionKernel {
 
  private:
   static constexpr std::size_t kTargetRows = 16;  // query rows per block, shared K/V tile
-  // Stored K rows per tile. A tile stays in L2 for the passes that read it again; a longer one
-  // spreads each tile's fixed costs (softmax bookkeeping, accumulators to registers and back)
-  // over more keys: 128 KiB read 5-10% faster from memory than 32 KiB, as fast as 256 KiB
-  // (AVX-512 AMD EPYC). kMaxTileKeys bounds the scores a row keeps for short rows.
-  static constexpr std::size_t kTileBytes = 131072;
-  static constexpr std::size_t kMaxTileKeys = 512;
+  // Stored K rows per tile. A tile's K and V stay in L2 (here 1 MiB) for the passes that read
+  // them again; a longer tile spreads its fixed costs (softmax bookkeeping, accumulators to
+  // registers and back) over more keys, and the reads switch between the K and the V stream
+  // less often: 128 KiB read 5-10% faster from memory than 32 KiB, and 384 KiB another 0.03-0.07
+  // closer to the plain read on one core (most at four query rows per kv head); 1-2 MiB, past
+  // the L2, lost it again (AVX-512 AMD EPYC). kMaxTileKeys bounds the scores a row keeps.
+  static constexpr std::size_t kTileBytes = 393216;
+  static constexpr std::size_t kMaxTileKeys = 1024;
   static constexpr std::size_t kW = kVector<Acc>;  // keys scored at once
   // Four query rows scored together hold 16 accumulators, a query register per row and read of
   // a key, and the key's registers: only AVX-512's 32 registers have room (16 would spill).
