@@ -16,6 +16,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -578,10 +579,10 @@ TEST(AttentionThreads, ThreadCountsAgree) {
   struct Shape4 {
     std::size_t batch, kv_heads, group, chunk, keys;
   };
-  // Large enough (K + V > 1 MiB) that automatic threading engages; the last two have a single
-  // (batch, kv head) and so split the keys themselves across threads.
-  for (const Shape4& s :
-       {Shape4{2, 4, 2, 1, 600}, Shape4{1, 2, 4, 7, 1200}, Shape4{1, 1, 4, 1, 3000}, Shape4{1, 1, 2, 9, 2500}}) {
+  // The last two have a single (batch, kv head) and so split the keys themselves across threads;
+  // the first reads 16 MiB, enough for automatic threading (threads = 0) to start a second thread.
+  for (const Shape4& s : {Shape4{1, 8, 2, 1, 2048}, Shape4{2, 4, 2, 1, 600}, Shape4{1, 2, 4, 7, 1200},
+                          Shape4{1, 1, 4, 1, 3000}, Shape4{1, 1, 2, 9, 2500}}) {
     const std::size_t dim = 128;
     const Block<float> k({s.batch, s.kv_heads, s.keys, dim}, 21);
     const Block<float> v({s.batch, s.kv_heads, s.keys, dim}, 22);
@@ -601,6 +602,20 @@ TEST(AttentionThreads, ThreadCountsAgree) {
       EXPECT_LE(worst, 1e-6) << "threads " << threads << " keys " << s.keys;
     }
   }
+}
+
+TEST(AttentionThreads, AutomaticCountFollowsTheWork) {
+  const std::size_t hardware = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  // A requested count is taken as it is, whatever the work.
+  EXPECT_EQ(detail::attention_threads(3, 0), 3U);
+  EXPECT_EQ(detail::attention_threads(1, 1024 * kMiB), 1U);
+  // Automatic: one thread per 8 MiB of K and V, at least one, at most the hardware's.
+  EXPECT_EQ(detail::attention_threads(0, 0), 1U);
+  EXPECT_EQ(detail::attention_threads(0, 8 * kMiB - 1), 1U);
+  EXPECT_EQ(detail::attention_threads(0, 16 * kMiB), std::min<std::size_t>(2, hardware));
+  EXPECT_EQ(detail::attention_threads(0, 24 * kMiB - 1), std::min<std::size_t>(2, hardware));
+  EXPECT_EQ(detail::attention_threads(0, 8 * kMiB * 1000), std::min<std::size_t>(1000, hardware));
 }
 
 // ---------------------------------------------------------------------------------------------
