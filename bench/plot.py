@@ -394,11 +394,43 @@ def table_attention(attention):
     return "\n".join(lines)
 
 
+# threads_bench: one decode call per layer, through many layers, at 1 and 2 threads and with the
+# automatic choice (threads:0); `us_per_call` and `bytes_per_call` are its counters.
+
+
+def table_threads(threads):
+    rows = {}  # (name without its arguments, S) -> {threads: us per call}, and the bytes per call
+    sizes = {}
+    for entry in runs(threads, ""):
+        s, t = named_arg(entry, "S"), named_arg(entry, "threads")
+        if s is None or t is None or not isinstance(entry.get("us_per_call"), (int, float)):
+            continue
+        key = (series_name(entry), s)
+        rows.setdefault(key, {})[t] = entry["us_per_call"]
+        sizes[key] = entry.get("bytes_per_call")
+    if not rows:
+        return ""
+    lines = ["| benchmark | S | K+V per call | 1 thread | 2 threads | automatic | 2 threads ÷ 1 | automatic ÷ faster |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for (name, s), by_threads in sorted(rows.items()):
+        one, two, auto = (by_threads.get(t) for t in (1, 2, 0))
+        size = f"{sizes[(name, s)] / 2**20:.1f} MiB" if sizes.get((name, s)) else "–"
+        cells = [f"{v:.1f} µs" if v is not None else "–" for v in (one, two, auto)]
+        ratio = f"{two / one:.2f}" if one and two else "–"
+        versus = f"{auto / min(one, two):.2f}" if one and two and auto else "–"
+        lines.append(f"| {name} | {s:,} | {size} | " + " | ".join(cells) + f" | {ratio} | {versus} |")
+    lines.append("")
+    lines.append("Microseconds per layer's attention call, each layer over its own KvCache, so that K and V come "
+                 "from memory; automatic is `AttentionOptions{}` (threads = 0).")
+    return "\n".join(lines)
+
+
 def main():
     directory = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results")
     cache = load(directory, "cache_bench")
     model = load(directory, "model_bench")
     attention = load(directory, "attention_bench")
+    threads = load(directory, "threads_bench")
     plots = [plot_cache_vs_concat(cache, directory), plot_ring(cache, directory), plot_model(model, directory),
              plot_attention(attention, directory)]
     sections = [
@@ -406,6 +438,7 @@ def main():
         ("Update against memcpy, flatness, ring", table_micro(cache)),
         ("End to end", table_model(model)),
         ("Attention bandwidth", table_attention(attention)),
+        ("Automatic threads", table_threads(threads)),
     ]
     tables = directory / "tables.md"
     with tables.open("w") as f:

@@ -525,14 +525,17 @@ class AttentionKernel {
 
 /// Threads for `work_bytes` of K and V reads: `requested`, or for 0 one per kBytesPerThread of
 /// work, at least one and at most the hardware's. Starting and joining a thread costs about what
-/// one core takes to read a few MiB: decoding layer after layer from memory on an AVX-512 AMD
-/// EPYC, two threads took 1.05-2.7 times as long as one at 0.5-4 MiB per call, 0.92-1.03 times
-/// at 8 MiB, and 0.8-0.93 times at 16-32 MiB.
+/// one core takes to read a few MiB: decoding layer after layer from memory (bench/threads_bench)
+/// on an AVX-512 AMD EPYC, two threads took 1.2-3.0 times as long as one at 0.5-4 MiB per call,
+/// 1.01-1.07 times at 8 MiB, 0.86-0.94 times at 16-32 MiB.
 inline std::size_t attention_threads(std::size_t requested, std::size_t work_bytes) noexcept {
   constexpr std::size_t kBytesPerThread = std::size_t{8} << 20;
   if (requested != 0) return requested;
-  const std::size_t hardware = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
-  return std::clamp<std::size_t>(work_bytes / kBytesPerThread, 1, hardware);
+  const std::size_t wanted = work_bytes / kBytesPerThread;
+  if (wanted <= 1) return 1;
+  // Asked once: glibc reads /sys for it on every call (5-6 us a decode call here).
+  static const std::size_t hardware = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
+  return std::min(wanted, hardware);
 }
 
 /// Runs `work(worker)` on `workers` threads, the caller's included; `work` takes items until
