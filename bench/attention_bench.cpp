@@ -262,10 +262,6 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  register_all();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return wrong_output ? 1 : 0;
+  const int status = kvcache::bench::run_benchmarks(argc, argv, register_all);
+  return status != 0 || wrong_output ? 1 : 0;
 }

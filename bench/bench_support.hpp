@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// What every benchmark program shares: its clock and the CI smoke switch.
+// What every benchmark program shares: its clock, the CI smoke switch and its main.
+
+#include <benchmark/benchmark.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -20,6 +22,18 @@ inline double seconds_since(Clock::time_point start) {
 inline bool smoke_mode() {
   const char* value = std::getenv("KVCACHE_BENCH_SMOKE");
   return value != nullptr && *value != '\0' && std::string_view(value) != "0";
+}
+
+/// A benchmark program's main: takes Google Benchmark's flags (1 on one it does not know), calls
+/// `register_all()`, runs what the flags select. Returns 0 once they have run.
+template <class Register>
+int run_benchmarks(int argc, char** argv, const Register& register_all) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
 }
 
 }  // namespace kvcache::bench

@@ -518,16 +518,13 @@ void register_all(const Plan& plan) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  const bool smoke = smoke_mode();
-  const Plan plan = smoke ? smoke_plan() : full_plan();
-  benchmark::AddCustomContext("kvcache_bench_mode", smoke ? "smoke (tiny shapes, not for figures)" : "full");
-  benchmark::AddCustomContext("kvcache_model", "layers=" + std::to_string(plan.model.layers) +
-                                                   " kv_heads=" + std::to_string(plan.model.kv_heads) +
-                                                   " head_dim=" + std::to_string(plan.model.head_dim) + " batch=1");
-  register_all(plan);
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return kvcache::bench::run_benchmarks(argc, argv, [] {
+    const bool smoke = smoke_mode();
+    const Plan plan = smoke ? smoke_plan() : full_plan();
+    benchmark::AddCustomContext("kvcache_bench_mode", smoke ? "smoke (tiny shapes, not for figures)" : "full");
+    benchmark::AddCustomContext("kvcache_model", "layers=" + std::to_string(plan.model.layers) +
+                                                     " kv_heads=" + std::to_string(plan.model.kv_heads) +
+                                                     " head_dim=" + std::to_string(plan.model.head_dim) + " batch=1");
+    register_all(plan);
+  });
 }

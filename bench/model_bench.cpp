@@ -151,29 +151,26 @@ void generate(benchmark::State& state, std::size_t steps, bool full_uncached) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  const bool smoke = smoke_mode();
-  const std::vector<std::size_t> steps =
-      smoke ? std::vector<std::size_t>{4, 8} : std::vector<std::size_t>{64, 256, 1024};
-  // The full uncached loop grows as N^3 through attention: a few seconds at N = 256, minutes at 1024.
-  const std::size_t full_loop_limit = smoke ? 4 : 256;
-  const qwen3::Config c;
-  benchmark::AddCustomContext("kvcache_bench_mode", smoke ? "smoke (tiny shapes, not for figures)" : "full");
-  benchmark::AddCustomContext(
-      "kvcache_model", "qwen3 reference, random weights: layers=" + std::to_string(c.layers) +
-                           " hidden=" + std::to_string(c.hidden) + " q_heads=" + std::to_string(c.q_heads) +
-                           " kv_heads=" + std::to_string(c.kv_heads) + " head_dim=" + std::to_string(c.head_dim) +
-                           " mlp=" + std::to_string(c.mlp) + " vocab=" + std::to_string(c.vocab));
-  for (const std::size_t n : steps) {
-    auto* b = benchmark::RegisterBenchmark(("model_generate/float/N:" + std::to_string(n)).c_str(), generate, n,
-                                           n <= full_loop_limit)
-                  ->UseManualTime()
-                  ->Unit(benchmark::kMillisecond);
-    // At least a few iterations even for the 2-second loop, so that "fastest" has a choice.
-    if (!smoke) b->MinTime(4.0);
-  }
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return kvcache::bench::run_benchmarks(argc, argv, [] {
+    const bool smoke = smoke_mode();
+    const std::vector<std::size_t> steps =
+        smoke ? std::vector<std::size_t>{4, 8} : std::vector<std::size_t>{64, 256, 1024};
+    // The full uncached loop grows as N^3 through attention: a few seconds at N = 256, minutes at 1024.
+    const std::size_t full_loop_limit = smoke ? 4 : 256;
+    const qwen3::Config c;
+    benchmark::AddCustomContext("kvcache_bench_mode", smoke ? "smoke (tiny shapes, not for figures)" : "full");
+    benchmark::AddCustomContext(
+        "kvcache_model", "qwen3 reference, random weights: layers=" + std::to_string(c.layers) +
+                             " hidden=" + std::to_string(c.hidden) + " q_heads=" + std::to_string(c.q_heads) +
+                             " kv_heads=" + std::to_string(c.kv_heads) + " head_dim=" + std::to_string(c.head_dim) +
+                             " mlp=" + std::to_string(c.mlp) + " vocab=" + std::to_string(c.vocab));
+    for (const std::size_t n : steps) {
+      auto* b = benchmark::RegisterBenchmark(("model_generate/float/N:" + std::to_string(n)).c_str(), generate, n,
+                                             n <= full_loop_limit)
+                    ->UseManualTime()
+                    ->Unit(benchmark::kMillisecond);
+      // At least a few iterations even for the 2-second loop, so that "fastest" has a choice.
+      if (!smoke) b->MinTime(4.0);
+    }
+  });
 }
