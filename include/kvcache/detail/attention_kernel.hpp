@@ -223,9 +223,9 @@ class AttentionKernel {
   // Stored K rows per tile. A tile's K and V stay in L2 (here 1 MiB) for the passes that read
   // them again; a longer tile spreads its fixed costs (softmax bookkeeping, accumulators to
   // registers and back) over more keys, and the reads switch between the K and the V stream
-  // less often: 128 KiB read 5-10% faster from memory than 32 KiB, and 384 KiB another 0.03-0.07
-  // closer to the plain read on one core (most at four query rows per kv head); 1-2 MiB, past
-  // the L2, lost it again (AVX-512 AMD EPYC). kMaxTileKeys bounds the scores a row keeps.
+  // less often: 128 KiB read 5-10% faster from memory than 32 KiB, and 384 KiB another 0.01-0.07
+  // closer to the plain read on one core (0.03-0.07 at four query rows per kv head); 1-2 MiB,
+  // past the L2, lost it again (AVX-512 AMD EPYC). kMaxTileKeys bounds the scores a row keeps.
   static constexpr std::size_t kTileBytes = 393216;
   static constexpr std::size_t kMaxTileKeys = 1024;
   static constexpr std::size_t kW = kVector<Acc>;  // keys scored at once
@@ -526,8 +526,8 @@ class AttentionKernel {
 /// Threads for `work_bytes` of K and V reads: `requested`, or for 0 one per kBytesPerThread of
 /// work, at least one and at most the hardware's. Starting and joining a thread costs about what
 /// one core takes to read a few MiB: decoding layer after layer from memory (bench/threads_bench)
-/// on an AVX-512 AMD EPYC, two threads took 1.2-3.0 times as long as one at 0.5-4 MiB per call,
-/// 1.01-1.07 times at 8 MiB, 0.86-0.94 times at 16-32 MiB.
+/// on an AVX-512 AMD EPYC, three runs: two threads took 2.1-3.0 times as long as one at 0.5-1 MiB
+/// per call, 0.91-1.34 times at 2-4 MiB, 0.94-1.16 times at 8 MiB, 0.78-0.94 times at 16-32 MiB.
 inline std::size_t attention_threads(std::size_t requested, std::size_t work_bytes) noexcept {
   constexpr std::size_t kBytesPerThread = std::size_t{8} << 20;
   if (requested != 0) return requested;
