@@ -188,6 +188,23 @@ TEST_F(RingTrace, TruncateBeyondWhatIsHeldThrowsAndChangesNothing) {
   EXPECT_EQ(feed(1), (Trace{{5}, {6, 7, 8, 9, 10}}));
 }
 
+TEST_F(RingTrace, SlackCountsFromTheFurthestLengthNotFromTheLastRollback) {
+  make(/*window=*/4, /*sinks=*/0, /*slack=*/1);
+  for (int i = 0; i < 12; ++i) feed(1);  // furthest length 12: holds 7..11
+  cache_->truncate(10);                  // slack + 1 back: query 10 needs 7..10
+  EXPECT_EQ(feed(1), (Trace{{7, 8, 9}, {10}}));
+  // Position 10 was written over the slot the forgotten 10 had taken from 6, so 6 is gone:
+  // going back to 9 (query 9 needs 6..9) throws, although it is slack + 1 back from 11.
+  try {
+    cache_->truncate(9);
+    FAIL() << "truncate(9) must throw: position 6 was overwritten";
+  } catch (const std::out_of_range& e) {
+    EXPECT_THAT(e.what(), ::testing::AllOf(::testing::HasSubstr(">= 10"), ::testing::HasSubstr("given 9")));
+  }
+  EXPECT_EQ(cache_->length(), 11U);
+  EXPECT_EQ(feed(1), (Trace{{7, 8, 9}, {10, 11}}));  // nothing was lost by the failed call
+}
+
 TEST_F(RingTrace, TruncateIntoAStagedChunkKeepsItsHead) {
   make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
   for (int i = 0; i < 6; ++i) feed(1);

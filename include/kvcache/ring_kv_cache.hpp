@@ -107,10 +107,11 @@ class RingKvCache : public detail::CacheBase {
   }
 
   /// Forgets everything after `length` tokens, copying nothing. Works while every layer still
-  /// holds the positions a query at `length` needs (the window before it), which `slack`
-  /// guarantees for rollbacks of up to slack + 1 tokens after a single-token update (and any
-  /// rollback into the last chunk); throws std::out_of_range otherwise, or if a layer holds fewer
-  /// than `length` tokens, leaving the cache unchanged.
+  /// holds the positions a query at `length` needs (the window before it): `slack` guarantees
+  /// that for any `length` at most slack + 1 tokens short of the furthest length the layer has
+  /// reached (a rollback does not give back the slots the forgotten tokens overwrote), and any
+  /// rollback into the last chunk. Throws std::out_of_range otherwise, or if a layer holds
+  /// fewer than `length` tokens, leaving the cache unchanged.
   void truncate(std::size_t length) {
     check_truncate(length);
     for (std::size_t l = 0; l < layers_.size(); ++l) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <initializer_list>
 #include <limits>
 #include <span>
@@ -66,13 +67,19 @@ inline Geometry check_dense_config(std::string_view cache, const KvCacheConfig& 
 /// Returns `tokens`.
 inline std::size_t check_footprint(std::string_view cache, const Geometry& g, std::size_t tokens,
                                    std::size_t value_bytes) {
+  const std::initializer_list<std::size_t> factors = {g.layers, g.batch, g.kv_heads, g.head_dim, tokens, value_bytes};
   std::size_t bytes = 2;
-  for (const std::size_t factor : {g.layers, g.batch, g.kv_heads, g.head_dim, tokens, value_bytes}) {
+  for (const std::size_t factor : factors) {
     if (factor != 0 && bytes > std::numeric_limits<std::size_t>::max() / factor) {
+      long double total = 2;  // the product that does not fit, for the message
+      for (const std::size_t f : factors) total *= static_cast<long double>(f);
+      char given[32];
+      std::snprintf(given, sizeof given, "%.3Le", total);
       throw std::length_error(std::string(cache) + ": config: K and V bytes (2 x layers " + std::to_string(g.layers) +
                               " x batch " + std::to_string(g.batch) + " x kv_heads " + std::to_string(g.kv_heads) +
                               " x head_dim " + std::to_string(g.head_dim) + " x tokens " + std::to_string(tokens) +
-                              " x " + std::to_string(value_bytes) + "): expected to fit in std::size_t, given more");
+                              " x " + std::to_string(value_bytes) + "): expected at most " +
+                              std::to_string(std::numeric_limits<std::size_t>::max()) + ", given " + given);
     }
     bytes *= factor;
   }
