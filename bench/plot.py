@@ -364,10 +364,13 @@ def table_attention(attention):
     if attention is None:
         return ""
     panels = attention_points(attention)
-    ratios = {}  # (threads, series, S) -> vs_read, where the benchmark reports it
+    ratios = {}  # (threads, series, S) -> "vs_read" or "vs_read / vs_buffer", where the benchmark reports them
     for entry in runs(attention, ""):
         if isinstance(entry.get("vs_read"), (int, float)):
-            ratios[(named_arg(entry, "threads") or 1, series_name(entry), length_of(entry))] = entry["vs_read"]
+            text = f"{entry['vs_read']:.2f}"
+            if isinstance(entry.get("vs_buffer"), (int, float)):
+                text += f" / {entry['vs_buffer']:.2f}"
+            ratios[(named_arg(entry, "threads") or 1, series_name(entry), length_of(entry))] = text
     lengths = sorted({p[0] for series, baseline in panels.values() for group in (series, baseline)
                       for pts in group.values() for p in pts if p[0] is not None})
     if not lengths:
@@ -385,12 +388,12 @@ def table_attention(attention):
                         cells.append("–")
                         continue
                     ratio = ratios.get((threads, name, s))
-                    cells.append(f"{by_length[s] / 1e9:.1f}" + (f" ({ratio:.2f})" if ratio is not None else ""))
+                    cells.append(f"{by_length[s] / 1e9:.1f}" + (f" ({ratio})" if ratio is not None else ""))
                 lines.append(f"| {threads} | {name} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("GB/s of K and V read per second (mean over the benchmark's calls); in brackets, the benchmark's own "
-                 "`vs_read`: the median time of a plain read of the same K and V bytes over the median time of an "
-                 "attention call, the two timed in turn on every iteration.")
+                 "`vs_read` / `vs_buffer`: the median time of a plain read of the same K and V bytes / of an equally "
+                 "large twin cache over the median time of an attention call, all timed in turn on every iteration.")
     return "\n".join(lines)
 
 
