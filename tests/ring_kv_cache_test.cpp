@@ -193,8 +193,8 @@ TEST_F(RingTrace, SlackCountsFromTheFurthestLengthNotFromTheLastRollback) {
   for (int i = 0; i < 12; ++i) feed(1);  // furthest length 12: holds 7..11
   cache_->truncate(10);                  // slack + 1 back: query 10 needs 7..10
   EXPECT_EQ(feed(1), (Trace{{7, 8, 9}, {10}}));
-  // Position 10 was written over the slot the forgotten 10 had taken from 6, so 6 is gone:
-  // going back to 9 (query 9 needs 6..9) throws, although it is slack + 1 back from 11.
+  // The forgotten 11 had taken 6's slot, so 6 is gone: going back to 9 (query 9 needs 6..9)
+  // throws, although it is only slack + 1 back from the length 11; it is 3 back from 12.
   try {
     cache_->truncate(9);
     FAIL() << "truncate(9) must throw: position 6 was overwritten";
