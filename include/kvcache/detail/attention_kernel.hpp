@@ -223,10 +223,12 @@ class AttentionKernel {
   // Stored K rows per tile. A tile's K and V stay in L2 (here 1 MiB) for the passes that read
   // them again; a longer tile spreads its fixed costs (softmax bookkeeping, accumulators to
   // registers and back) over more keys, and the reads switch between the K and the V stream
-  // less often: 128 KiB read 5-10% faster from memory than 32 KiB, and 384 KiB another 0.01-0.07
-  // closer to the plain read on one core (0.03-0.07 at four query rows per kv head); 1-2 MiB,
-  // past the L2, lost it again (AVX-512 AMD EPYC). kMaxTileKeys bounds the scores a row keeps.
-  static constexpr std::size_t kTileBytes = 393216;
+  // less often: 128 KiB read 5-10% faster from memory than 32 KiB, 384 KiB another 0.01-0.07
+  // closer to the plain read on one core (0.03-0.07 at four query rows per kv head), and 512 KiB
+  // (a float tile's K and V then fill the L2) 1-2 GB/s more for float at four query rows per kv
+  // head, one core, S = 32k (three interleaved runs); 768 KiB did no better, and 1-2 MiB lost it
+  // again (AVX-512 AMD EPYC). kMaxTileKeys bounds the scores a row keeps.
+  static constexpr std::size_t kTileBytes = 524288;
   static constexpr std::size_t kMaxTileKeys = 1024;
   static constexpr std::size_t kW = kVector<Acc>;  // keys scored at once
   // Four query rows scored together hold 16 accumulators, a query register per row and read of
