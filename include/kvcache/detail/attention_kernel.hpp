@@ -226,8 +226,8 @@ class AttentionKernel {
   // less often: 128 KiB read 5-10% faster from memory than 32 KiB, 384 KiB another 0.01-0.07
   // closer to the plain read on one core (0.03-0.07 at four query rows per kv head), and 512 KiB
   // (a float tile's K and V then fill the L2) 1-2 GB/s more for float at four query rows per kv
-  // head, one core, S = 32k (three interleaved runs); 768 KiB did no better, and 1-2 MiB lost it
-  // again (AVX-512 AMD EPYC). kMaxTileKeys bounds the scores a row keeps.
+  // head, one core, S = 32k (nine interleaved pairs of runs); 768 KiB did no better, and 1-2 MiB
+  // lost it again (AVX-512 AMD EPYC). kMaxTileKeys bounds the scores a row keeps.
   static constexpr std::size_t kTileBytes = 524288;
   static constexpr std::size_t kMaxTileKeys = 1024;
   static constexpr std::size_t kW = kVector<Acc>;  // keys scored at once
