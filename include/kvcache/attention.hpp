@@ -100,6 +100,7 @@ void check_attention(const TensorView<const Q>& q, std::span<const std::int64_t>
 /// out[b, h, t] = softmax over the visible keys of q[b, h, t] . k / sqrt(D), times v.
 /// q, out: [B, H_q, T, D]; q_positions: the T queries' absolute positions (every batch row);
 /// history: what update() returned, [B, H_kv, S, D] in segments, H_q a multiple of H_kv.
+/// out may be q itself (the same view): every query row is read before its output is written.
 /// Throws std::invalid_argument for mismatched shapes before writing anything.
 template <class T, class Q>
 void causal_attention(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
