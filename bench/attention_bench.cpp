@@ -3,18 +3,19 @@
 //
 // Each DecodeAttention row reports `bytes_per_second`: the K and V bytes a decode step must
 // read, per second of attention (manual time: only the attention calls count). Every iteration
-// first reads the very same K and V bytes plainly, then an equally large twin cache (allocated
-// the same way), then runs one attention call, each timed on its own; `vs_read` is the median
-// plain read of the same bytes over the median attention call of the run, `vs_buffer` that of
-// the twin, and `read_bytes_per_second`, `buffer_bytes_per_second` and
-// `median_bytes_per_second` the medians as rates. Timed in turn, other work on a shared machine
-// falls on every side alike, and a median ignores the odd disturbed call (a ratio of separately
-// timed bests swung from 0.4 to 1.5). The read of the same bytes comes right after the
-// attention call that read them, and where they are not much larger than the L3 it finds part
-// of them there (at 64 MiB, 49-54 GB/s against 35-38 for the twin on one AMD EPYC core); the
-// twin's read, like the attention call, comes after 64+ MiB of other reads. `vs_read` is the
-// stricter figure. Each ReadBandwidth row sums a separate buffer of the same size with the same
-// thread count, timed apart.
+// times, each on its own: a plain read of an equally large twin cache (allocated the same way),
+// a plain read of the very same K and V bytes the attention reads, the twin's read again, and
+// one attention call. `vs_read` is the median read of the same bytes over the median attention
+// call of the run, `vs_buffer` the median of the twin's reads over it, and
+// `read_bytes_per_second`, `buffer_bytes_per_second` and `median_bytes_per_second` the medians
+// as rates. Timed in turn, other work on a shared machine falls on every side alike, and a
+// median ignores the odd disturbed call (a ratio of separately timed bests swung from 0.4 to
+// 1.5). Each read and the attention call come right after a read of as much other memory, so
+// none finds its bytes in the L3 and all meet the memory in the same state. The order matters on
+// one AMD EPYC core: with the read of the same bytes right after the attention call (which had
+// just read them) and the twin's next, the same bytes read 49-54 GB/s and the twin 35-38 (bf16,
+// 64 MiB); in this order both read 43-48. Each ReadBandwidth row sums a separate buffer of the
+// same size with the same thread count, timed apart.
 //
 // The benchmarks are built for this machine's vector width (KVCACHE_NATIVE), the tests for the
 // default one: each DecodeAttention row first checks its output against a plain softmax in
@@ -205,6 +206,7 @@ void BM_DecodeAttention(benchmark::State& state) {
   std::vector<double> twin_seconds;
   std::vector<double> attention_seconds;
   for (auto _ : state) {
+    twin_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(twin_buffers, threads)); }));
     read_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(buffers, threads)); }));
     twin_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(twin_buffers, threads)); }));
     const double seconds = time_call([&] {
