@@ -80,6 +80,15 @@ TEST(DenseConfig, SizesWhoseBytesOverflowAreRejectedNotWrapped) {
                                            ::testing::HasSubstr("expected at most 18446744073709551615"),
                                            ::testing::HasSubstr("given 3.689e+19")));
   }
+  // ConcatKvCache allocates only on update, where the wrapped size would allocate too little:
+  // it refuses the config up front as well.
+  try {
+    ConcatKvCache<float> cache(config);
+    FAIL() << "no exception";
+  } catch (const std::length_error& e) {
+    EXPECT_THAT(e.what(), ::testing::AllOf(::testing::HasSubstr("ConcatKvCache"),
+                                           ::testing::HasSubstr("expected at most 18446744073709551615")));
+  }
 }
 
 }  // namespace

@@ -331,5 +331,36 @@ TYPED_TEST(Protocol, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
   }
 }
 
+TYPED_TEST(Protocol, AMovedFromCacheHoldsNoLayersAndCanBeAssignedAgain) {
+  using Cache = TypeParam;
+  auto cache = this->make();
+  this->feed(cache, 5);
+  const std::size_t bytes = cache.bytes();
+
+  Cache moved(std::move(cache));
+  EXPECT_EQ(moved.length(), 5U);
+  EXPECT_EQ(moved.bytes(), bytes);
+  EXPECT_EQ(flatten(this->feed_layer(moved, 0, 1)), this->expected_[0]);
+
+  // NOLINTBEGIN(bugprone-use-after-move, clang-analyzer-cplusplus.Move): what this test checks
+  EXPECT_EQ(cache.layers(), 0U);
+  EXPECT_EQ(cache.length(), 0U);
+  EXPECT_EQ(cache.bytes(), 0U);
+  EXPECT_THROW((void)cache.length(0), std::out_of_range);
+  Block<typename TestFixture::T> k({this->batch, this->kv_heads, 1, this->head_dim}, 99);
+  EXPECT_THROW(cache.update(0, k.view(), k.view(), arange(0, 1)), std::out_of_range);
+  EXPECT_THROW(cache.truncate(1), std::out_of_range);
+  cache.truncate(0);
+  cache.reset();
+
+  cache = std::move(moved);
+  EXPECT_EQ(cache.layers(), this->layers);
+  EXPECT_EQ(cache.length(0), 6U);
+  EXPECT_EQ(moved.layers(), 0U);
+  // NOLINTEND(bugprone-use-after-move, clang-analyzer-cplusplus.Move)
+  this->feed_layer(cache, 1, 1);
+  EXPECT_EQ(flatten(this->feed_layer(cache, 2, 1)), this->expected_[2]);
+}
+
 }  // namespace
 }  // namespace kvcache::testing

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
+#include <stdexcept>
 #include <unsupported/Eigen/CXX11/Tensor>
 #include <vector>
 
@@ -62,6 +63,27 @@ TEST(TensorView, OneHeadFromARowMajorEigenMatrixOrMap) {
   const TensorView<const float> head_view(head);
   EXPECT_EQ(head_view.shape(), (Shape{1, 1, 6, 4}));
   EXPECT_EQ(head_view(0, 0, 3, 2), matrix(3, 6));
+}
+
+TEST(TensorView, AnEigenMapWhoseRowsAreNotContiguousIsRejected) {
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Strided = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
+  float data[8] = {0, -1, 1, -1, 2, -1, 3, -1};
+  // Every other value: Eigen reads [0 1; 2 3], which a view (rows contiguous) cannot describe.
+  const Eigen::Map<const RowMajor, 0, Strided> every_other(data, 2, 2, Strided(4, 2));
+  try {
+    const TensorView<const float> view(every_other);
+    FAIL() << "accepted; reads " << view(0, 0, 0, 1) << " for Eigen's " << every_other(0, 1);
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "TensorView: Eigen matrix inner stride: expected 1 (head_dim contiguous), given 2");
+  }
+
+  // The same map type with contiguous rows is fine, and so is one value per row.
+  const Eigen::Map<const RowMajor, 0, Strided> contiguous(data, 2, 3, Strided(4, 1));
+  const TensorView<const float> view(contiguous);
+  EXPECT_EQ(view(0, 0, 1, 2), contiguous(1, 2));
+  const Eigen::Map<const RowMajor, 0, Strided> column(data, 4, 1, Strided(2, 3));
+  EXPECT_EQ(TensorView<const float>(column)(0, 0, 3, 0), 3.0F);
 }
 
 }  // namespace

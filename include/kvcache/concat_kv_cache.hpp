@@ -30,10 +30,11 @@ class ConcatKvCache : public detail::CacheBase {
  public:
   using value_type = T;
 
-  /// Allocates nothing yet; throws std::invalid_argument for a zero size or ring fields.
+  /// Allocates nothing yet; throws std::invalid_argument for a zero size or ring fields,
+  /// std::length_error for a capacity whose bytes overflow std::size_t (as KvCache does).
   explicit ConcatKvCache(const KvCacheConfig& config)
       : CacheBase("ConcatKvCache", detail::check_dense_config("ConcatKvCache", config)),
-        capacity_(config.capacity),
+        capacity_(detail::check_footprint("ConcatKvCache", geometry(), config.capacity, sizeof(T))),
         layers_(layers()) {}
 
   /// Same contract as KvCache::update; reallocates the layer's K and V every time.

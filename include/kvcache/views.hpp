@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -120,13 +121,19 @@ class TensorView {
                   static_cast<std::size_t>(tensor.dimension(2)), static_cast<std::size_t>(tensor.dimension(3))}) {}
 
   /// A view of one head held as a row-major Eigen matrix [tokens, head_dim]: shape [1, 1, T, D].
+  /// A row's values must be contiguous: std::invalid_argument for an inner stride other than 1
+  /// (a Map with Eigen::InnerStride or Eigen::Stride), which a view has no way to describe.
   template <class E>
   requires detail::RowMajorMatrix<E> && std::is_convertible_v<decltype(std::declval<E&>().data()), T*> TensorView(
-      E& matrix)
-  noexcept  // NOLINT(google-explicit-constructor)
+      E& matrix)  // NOLINT(google-explicit-constructor)
       : TensorView(matrix.data(),
                    Shape{1, 1, static_cast<std::size_t>(matrix.rows()), static_cast<std::size_t>(matrix.cols())},
-                   Strides{0, 0, static_cast<std::size_t>(matrix.outerStride())}) {}
+                   Strides{0, 0, static_cast<std::size_t>(matrix.outerStride())}) {
+    if (matrix.cols() > 1 && matrix.innerStride() != 1) {
+      throw std::invalid_argument("TensorView: Eigen matrix inner stride: expected 1 (head_dim contiguous), given " +
+                                  std::to_string(matrix.innerStride()));
+    }
+  }
 
   [[nodiscard]] constexpr T* data() const noexcept { return data_; }
   [[nodiscard]] constexpr const Shape& shape() const noexcept { return shape_; }

@@ -6,6 +6,7 @@
 #include <memory>
 #include <new>
 #include <type_traits>
+#include <utility>
 
 namespace kvcache::detail {
 
@@ -23,6 +24,14 @@ class AlignedBuffer {
       : data_(size == 0 ? nullptr : static_cast<T*>(::operator new (size * sizeof(T), std::align_val_t{alignment}))),
         size_(size) {
     if (zero_fill && size_ != 0) std::memset(static_cast<void*>(data_.get()), 0, size_ * sizeof(T));
+  }
+
+  // A moved-from buffer is empty (size 0), so bytes() of a moved-from cache counts nothing.
+  AlignedBuffer(AlignedBuffer&& other) noexcept : data_(std::move(other.data_)), size_(std::exchange(other.size_, 0)) {}
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept {
+    data_ = std::move(other.data_);
+    size_ = std::exchange(other.size_, 0);
+    return *this;
   }
 
   [[nodiscard]] T* data() noexcept { return data_.get(); }

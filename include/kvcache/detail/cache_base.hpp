@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvcache/detail/checks.hpp"
@@ -23,6 +24,7 @@ class CacheBase {
   /// Tokens held by every layer; std::runtime_error naming the layers if they disagree (a
   /// forward pass stopped part-way).
   [[nodiscard]] std::size_t length() const {
+    if (lengths_.empty()) return 0;  // moved from
     const std::size_t first = lengths_.front();
     if (std::all_of(lengths_.begin(), lengths_.end(), [&](std::size_t n) { return n == first; })) return first;
     throw std::runtime_error(
@@ -42,6 +44,24 @@ class CacheBase {
  protected:
   CacheBase(std::string_view name, const Geometry& geometry)
       : name_(name), geometry_(geometry), lengths_(geometry.layers, 0) {}
+  // A moved-from cache holds no layers: length() is 0, update() and length(layer) throw
+  // std::out_of_range, truncate(0) and reset() do nothing, bytes() is 0; assigning to it works.
+  CacheBase(CacheBase&& other) noexcept
+      : name_(other.name_), geometry_(other.geometry_), lengths_(std::move(other.lengths_)) {
+    other.forget_layers();
+  }
+  CacheBase& operator=(CacheBase&& other) noexcept {
+    if (this != &other) {
+      name_ = other.name_;
+      geometry_ = other.geometry_;
+      lengths_ = std::move(other.lengths_);
+      other.forget_layers();
+    }
+    return *this;
+  }
+  CacheBase(const CacheBase&) = default;
+  CacheBase& operator=(const CacheBase&) = default;
+  ~CacheBase() = default;
 
   [[nodiscard]] const Geometry& geometry() const noexcept { return geometry_; }
 
@@ -57,7 +77,7 @@ class CacheBase {
 
   /// Checks a truncate target against what every layer holds; std::out_of_range otherwise.
   void check_truncate(std::size_t length) const {
-    const std::size_t held = *std::min_element(lengths_.begin(), lengths_.end());
+    const std::size_t held = lengths_.empty() ? 0 : *std::min_element(lengths_.begin(), lengths_.end());
     if (length > held) {
       throw std::out_of_range(expected_given(std::string(name_) + "::truncate: length",
                                              "<= " + std::to_string(held) + " (tokens held)", std::to_string(length)));
@@ -68,6 +88,11 @@ class CacheBase {
   void set_all_lengths(std::size_t length) noexcept { std::fill(lengths_.begin(), lengths_.end(), length); }
 
  private:
+  void forget_layers() noexcept {
+    geometry_.layers = 0;
+    lengths_.clear();
+  }
+
   /// "layers 0-1 hold 6, layer 2 holds 5" for the message of length().
   [[nodiscard]] std::string describe_lengths() const {
     std::string runs;
