@@ -353,10 +353,10 @@ class AttentionKernel {
     if (w.active.empty()) return;
     // 16-bit V rows are asked for ahead, and the first pass over them (for bf16, the one from
     // memory) also turns its rows' scores into weights as it goes, W keys at a time: there the
-    // multiply-add units wait on the rows (bf16 at four query rows per kv head, one core: 0.03-0.04 closer to the
-    // plain read than weights made in a loop of their own; float lost 0.02-0.03, so its
-    // weights are made first). Rows of the groups that read the tile from cache are weighed
-    // just before their pass.
+    // multiply-add units wait on the rows (bf16 at four query rows per kv head, one core:
+    // 0.02-0.04 closer to the plain read than weights made in a loop of their own; float lost
+    // 0.02-0.03, so its weights are made first). Rows of the groups that read the tile from
+    // cache are weighed just before their pass.
     constexpr bool sixteen_bit = sizeof(T) < sizeof(Acc);
     // A row shorter than one read is summed by scalars, which call no hook: weighed first.
     const bool weigh_in_pass = sixteen_bit && dim_ >= RowReader<Stored, Acc>::kSplit * kW;
