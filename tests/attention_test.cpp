@@ -30,12 +30,14 @@ namespace {
 // Reference: every key of a sequence at positions 0..N-1, a mask written out per (query, key),
 // a full softmax in double.
 
-/// A window rule as the contract states it: 0 imposes nothing; sinks stay visible.
+/// A window rule as the contract states it: 0 imposes nothing; sinks (positions 0 .. sinks - 1)
+/// stay visible.
 struct WindowRule {
   std::size_t window = 0;
   std::size_t sinks = 0;
   [[nodiscard]] bool allows(std::int64_t query, std::int64_t key) const {
-    return window == 0 || key < static_cast<std::int64_t>(sinks) || query - static_cast<std::int64_t>(window) < key;
+    const bool sink = key >= 0 && key < static_cast<std::int64_t>(sinks);
+    return window == 0 || sink || query - static_cast<std::int64_t>(window) < key;
   }
 };
 
@@ -446,6 +448,29 @@ TEST(AttentionMask, RingHidesKeysOlderThanItsWindowAndKeepsSinks) {
   causal_attention(TensorView<const float>(q.data(), {1, 1, 1, dim}), position, history,
                    TensorView<float>(out.data(), {1, 1, 1, dim}), {.window = 2});
   for (std::size_t d = 0; d < dim; ++d) EXPECT_NEAR(out[d], d == 18 || d == 19 ? 0.5F : 0.0F, 1e-6F) << d;
+}
+
+TEST(AttentionMask, KeysAtNegativePositionsAreNotSinks) {
+  // A history built by hand may hold keys before position 0: sinks are positions 0 .. sinks - 1,
+  // so with a window those keys age out like any other. Query 4 with window 2 and one sink
+  // reads key 0 (a sink) and keys 3 and 4, never the keys at -5 and -1. Values are one-hot.
+  const std::size_t dim = 8;
+  const std::vector<std::int64_t> key_positions{-5, -1, 0, 1, 3, 4};
+  const std::size_t tokens = key_positions.size();
+  std::vector<float> keys(tokens * dim, 0.0F);
+  std::vector<float> values(tokens * dim, 0.0F);
+  for (std::size_t j = 0; j < tokens; ++j) values[j * dim + j] = 1.0F;
+  const Segment<float> segment{TensorView<const float>(keys.data(), {1, 1, tokens, dim}),
+                               TensorView<const float>(values.data(), {1, 1, tokens, dim}), key_positions};
+  std::vector<float> q(dim, 0.0F);
+  std::vector<float> out(dim, -1.0F);
+  const std::vector<std::int64_t> position{4};
+  causal_attention(TensorView<const float>(q.data(), {1, 1, 1, dim}), position, History<float>{std::span(&segment, 1)},
+                   TensorView<float>(out.data(), {1, 1, 1, dim}), {.window = 2, .sinks = 1});
+  for (std::size_t j = 0; j < tokens; ++j) {
+    const bool seen = key_positions[j] == 0 || key_positions[j] >= 3;
+    EXPECT_NEAR(out[j], seen ? 1.0F / 3.0F : 0.0F, 1e-6F) << "key at position " << key_positions[j];
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

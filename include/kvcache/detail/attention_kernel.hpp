@@ -26,6 +26,7 @@
 namespace kvcache::detail {
 
 /// Which keys a query at position p may read: causal, and inside every window that applies.
+/// Sinks are the positions [0, sinks): a negative key position is never one.
 class VisibilityRule {
  public:
   VisibilityRule(std::size_t window_a, std::size_t sinks_a, std::size_t window_b, std::size_t sinks_b) noexcept
@@ -34,7 +35,7 @@ class VisibilityRule {
   [[nodiscard]] bool visible(std::int64_t query, std::int64_t key) const noexcept {
     if (key > query) return false;
     for (std::size_t i = 0; i < 2; ++i) {
-      const bool in_window = windows_[i] == 0 || key < to_signed(sinks_[i]) ||
+      const bool in_window = windows_[i] == 0 || (key >= 0 && key < to_signed(sinks_[i])) ||
                              static_cast<std::uint64_t>(query - key) < static_cast<std::uint64_t>(windows_[i]);
       if (!in_window) return false;
     }
@@ -52,8 +53,10 @@ class VisibilityRule {
       if (windows_[i] == 0) continue;
       const std::int64_t oldest = query - to_signed(windows_[i]) + 1;  // the window's first position
       const std::int64_t sinks = to_signed(sinks_[i]);
-      if (high < oldest && low >= sinks) return Cover::kNone;
-      all = all && (low >= oldest || high < sinks);
+      const bool no_sink = low >= sinks || high < 0;
+      const bool all_sinks = low >= 0 && high < sinks;
+      if (high < oldest && no_sink) return Cover::kNone;
+      all = all && (low >= oldest || all_sinks);
     }
     return all ? Cover::kAll : Cover::kSome;
   }
