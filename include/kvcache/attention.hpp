@@ -28,8 +28,8 @@ namespace kvcache {
 ///   kvcache::causal_attention(q, positions, history, out, {.window = 4096, .sinks = 4, .threads = 1});
 struct AttentionOptions {
   float scale = 0.0f;       // 0 = 1/sqrt(D)
-  std::size_t window = 0;   // 0 = none; key k visible to query p iff p - window < k <= p (or k < sinks)
-  std::size_t sinks = 0;    // positions < sinks stay visible through the window
+  std::size_t window = 0;   // 0 = none; key k visible to query p iff p - window < k <= p (or 0 <= k < sinks)
+  std::size_t sinks = 0;    // positions 0 .. sinks - 1 stay visible through the window
   std::size_t threads = 0;  // 0 = automatic (a thread per 8 MiB of K and V read); 1 = the caller's only
 };
 
