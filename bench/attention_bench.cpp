@@ -269,6 +269,9 @@ void register_all() {
         add_manual(benchmark::RegisterBenchmark("DecodeAttention<bfloat16>", BM_DecodeAttention<Eigen::bfloat16>)
                        ->ArgNames({"H_q", "S", "threads"})
                        ->Args({h, s, t}));
+        add_manual(benchmark::RegisterBenchmark("DecodeAttention<half>", BM_DecodeAttention<Eigen::half>)
+                       ->ArgNames({"H_q", "S", "threads"})
+                       ->Args({h, s, t}));
       }
     }
   }

@@ -626,6 +626,7 @@ TEST(AttentionMath, ForEachLaneVisitsEveryPositionInRegisterOrder) {
   expect_lanes<float, float>();
   expect_lanes<double, double>();
   expect_lanes<Eigen::bfloat16, float>();
+  if constexpr (detail::kConvertsInRegisters<Eigen::half, float>) expect_lanes<Eigen::half, float>();
 }
 
 // ---------------------------------------------------------------------------------------------

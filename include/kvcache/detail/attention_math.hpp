@@ -18,6 +18,10 @@
 
 #include <Eigen/Core>
 
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 // For code that must end up inside the loop that calls it: the steps of an unrolled row (each
 // its own instructions, see for_each_step), and prefetches (GCC finds a function that only
@@ -180,11 +184,21 @@ inline Acc load_as(const T* p, std::size_t i) noexcept {
   }
 }
 
+// Half rows widen in registers where the vector width has an instruction for it: AVX-512F
+// (16 values a register) and F16C (8, beside AVX).
+#if KVCACHE_VECTOR_EXTENSIONS && (defined(__AVX512F__) || (defined(__AVX__) && defined(__F16C__)))
+#define KVCACHE_HALF_IN_REGISTERS 1
+#else
+#define KVCACHE_HALF_IN_REGISTERS 0
+#endif
+
 /// Whether rows of T are read into Acc registers as they are (RowReader<T, Acc>), so that no
 /// converted copy of a tile is ever made.
 template <class T, class Acc>
 inline constexpr bool kConvertsInRegisters = std::is_same_v<T, Acc> ||
-                                             (std::is_same_v<T, Eigen::bfloat16> && std::is_same_v<Acc, float>);
+                                             (std::is_same_v<T, Eigen::bfloat16> && std::is_same_v<Acc, float>) ||
+                                             (KVCACHE_HALF_IN_REGISTERS && std::is_same_v<T, Eigen::half> &&
+                                              std::is_same_v<Acc, float>);
 
 /// How rows of T are read into Acc registers: kSplit registers from each kSplit * W stored
 /// values. A bfloat16 is the top half of a float, so W 32-bit words of bfloat16 pairs give the
@@ -193,7 +207,7 @@ inline constexpr bool kConvertsInRegisters = std::is_same_v<T, Acc> ||
 /// product or a weighted sum never has to put the values back in order until the output.
 template <class T, class Acc>
 struct RowReader {
-  static_assert(std::is_same_v<T, Acc>, "RowReader: rows are read as Acc, or as bfloat16 into float.");
+  static_assert(std::is_same_v<T, Acc>, "RowReader: rows are read as Acc, or as bfloat16 or half into float.");
   static constexpr std::size_t kSplit = 1;
   static void load(const T* p, Vector<Acc> (&out)[kSplit]) noexcept { out[0] = load_vector<Vector<Acc>>(p); }
 };
@@ -210,6 +224,25 @@ struct RowReader<Eigen::bfloat16, float> {
     out[1] = std::bit_cast<Vector<float>>(pairs & static_cast<std::uint32_t>(0xFFFF0000U));  // odd values
   }
 };
+
+#if KVCACHE_HALF_IN_REGISTERS
+template <>
+struct RowReader<Eigen::half, float> {
+  static_assert(sizeof(Eigen::half) == 2);
+  static constexpr std::size_t kSplit = 1;
+  // A register's worth of halves is half a register: one conversion instruction, values in order.
+  static void load(const Eigen::half* p, Vector<float> (&out)[kSplit]) noexcept {
+#if defined(__AVX512F__)
+    // The zero-masked form with every lane kept: the plain one passes GCC 12 an undefined
+    // register, which -Wmaybe-uninitialized reports once inlined.
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    out[0] = std::bit_cast<Vector<float>>(_mm512_maskz_cvtph_ps(static_cast<__mmask16>(0xFFFF), halves));
+#else
+    out[0] = std::bit_cast<Vector<float>>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#endif
+  }
+};
+#endif
 
 /// Where value d of a row of `dim` lives in the register order of RowReader<T, Acc>: whole
 /// groups of kSplit * W values are split into even and odd halves; the tail stays in order.
