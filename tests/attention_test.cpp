@@ -606,6 +606,30 @@ TEST(AttentionMath, FoldHalvesLeavesTheTotalInLaneZero) {
   EXPECT_EQ(sum[0], 0.0F + 1 + 2 + 3 + 4 + 40 + 6 + 7);
 }
 
+#if KVCACHE_VECTOR_EXTENSIONS
+// Half rows widened by integer operations, where no instruction converts them: every one of the
+// 65,536 bit patterns gives Eigen's float, bit for bit (a NaN for a NaN, with its sign).
+TEST(AttentionMath, EveryHalfBitPatternWidensExactly) {
+  using Bits = detail::Vector<std::uint32_t>;
+  constexpr std::size_t W = detail::kVector<float>;
+  for (std::uint32_t first = 0; first < 65536; first += W) {
+    Bits bits;
+    for (std::size_t l = 0; l < W; ++l) bits[l] = first + static_cast<std::uint32_t>(l);
+    const detail::Vector<float> got = detail::floats_from_half_bits(bits);
+    for (std::size_t l = 0; l < W; ++l) {
+      const auto pattern = static_cast<std::uint16_t>(bits[l]);
+      const float want = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(pattern));
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(got[l])) << "half bits " << pattern;
+        EXPECT_EQ(std::signbit(got[l]), std::signbit(want)) << "half bits " << pattern;
+      } else {
+        EXPECT_EQ(std::bit_cast<std::uint32_t>(got[l]), std::bit_cast<std::uint32_t>(want)) << "half bits " << pattern;
+      }
+    }
+  }
+}
+#endif
+
 // The register order of a row (queries in, outputs out): for_each_lane gives every position
 // exactly once, with the lane lane_of names, at every length around a group (tails included).
 

@@ -18,7 +18,7 @@
 
 #include <Eigen/Core>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || (defined(__AVX__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -184,12 +184,12 @@ inline Acc load_as(const T* p, std::size_t i) noexcept {
   }
 }
 
-// Half rows widen in registers where the vector width has an instruction for it: AVX-512F
-// (16 values a register) and F16C (8, beside AVX).
+// Half rows widen in registers wherever vectors do: by one instruction under AVX-512F or F16C,
+// else by integer operations and one multiply (floats_from_half_bits).
 #if KVCACHE_VECTOR_EXTENSIONS && (defined(__AVX512F__) || (defined(__AVX__) && defined(__F16C__)))
-#define KVCACHE_HALF_IN_REGISTERS 1
+#define KVCACHE_HALF_INSTRUCTION 1
 #else
-#define KVCACHE_HALF_IN_REGISTERS 0
+#define KVCACHE_HALF_INSTRUCTION 0
 #endif
 
 /// Whether rows of T are read into Acc registers as they are (RowReader<T, Acc>), so that no
@@ -197,7 +197,7 @@ inline Acc load_as(const T* p, std::size_t i) noexcept {
 template <class T, class Acc>
 inline constexpr bool kConvertsInRegisters = std::is_same_v<T, Acc> ||
                                              (std::is_same_v<T, Eigen::bfloat16> && std::is_same_v<Acc, float>) ||
-                                             (KVCACHE_HALF_IN_REGISTERS && std::is_same_v<T, Eigen::half> &&
+                                             (KVCACHE_VECTOR_EXTENSIONS && std::is_same_v<T, Eigen::half> &&
                                               std::is_same_v<Acc, float>);
 
 /// How rows of T are read into Acc registers: kSplit registers from each kSplit * W stored
@@ -225,20 +225,38 @@ struct RowReader<Eigen::bfloat16, float> {
   }
 };
 
-#if KVCACHE_HALF_IN_REGISTERS
+#if KVCACHE_VECTOR_EXTENSIONS
+/// Half-precision bit patterns, one in the low 16 bits of each lane, as floats, exactly.
+inline Vector<float> floats_from_half_bits(const Vector<std::uint32_t>& bits) noexcept {
+  using Bits = Vector<std::uint32_t>;
+  using Signed = std::int32_t __attribute__((vector_size(kVectorBytes)));
+  const Bits magnitude = bits & 0x7FFFU;
+  // Exponent and mantissa moved to where a float keeps them: read as a float, that is the half's
+  // value times 2^-112, subnormal halves included (they become float subnormals or normals
+  // scaled alike), so one exact multiply rebases the exponent.
+  const Bits scaled = std::bit_cast<Bits>(std::bit_cast<Vector<float>>(magnitude << 13) * 0x1p112F);
+  // Infinity and NaN (exponent all ones, now 2^16 times 1.mantissa) get a float's all-ones
+  // exponent; a signed comparison, which SSE2 has, as the magnitude fits in 15 bits.
+  const Bits special = std::bit_cast<Bits>(std::bit_cast<Signed>(magnitude) > 0x7BFF);
+  return std::bit_cast<Vector<float>>(scaled | (special & 0x7F800000U) | ((bits & 0x8000U) << 16));
+}
+
 template <>
 struct RowReader<Eigen::half, float> {
   static_assert(sizeof(Eigen::half) == 2);
   static constexpr std::size_t kSplit = 1;
-  // A register's worth of halves is half a register: one conversion instruction, values in order.
+  // A register's worth of halves is half a register, widened to one register in order.
   static void load(const Eigen::half* p, Vector<float> (&out)[kSplit]) noexcept {
-#if defined(__AVX512F__)
+#if KVCACHE_HALF_INSTRUCTION && defined(__AVX512F__)
     // The zero-masked form with every lane kept: the plain one passes GCC 12 an undefined
     // register, which -Wmaybe-uninitialized reports once inlined.
     const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     out[0] = std::bit_cast<Vector<float>>(_mm512_maskz_cvtph_ps(static_cast<__mmask16>(0xFFFF), halves));
-#else
+#elif KVCACHE_HALF_INSTRUCTION
     out[0] = std::bit_cast<Vector<float>>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+    using Halves = std::uint16_t __attribute__((vector_size(kVectorBytes / 2)));
+    out[0] = floats_from_half_bits(__builtin_convertvector(load_vector<Halves>(p), Vector<std::uint32_t>));
 #endif
   }
 };
