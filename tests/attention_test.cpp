@@ -450,6 +450,48 @@ TEST(AttentionMask, RingHidesKeysOlderThanItsWindowAndKeepsSinks) {
   for (std::size_t d = 0; d < dim; ++d) EXPECT_NEAR(out[d], d == 18 || d == 19 ? 0.5F : 0.0F, 1e-6F) << d;
 }
 
+TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
+  // Attention is a sum over keys: a history whose rows come in another order, each with its own
+  // position, gives the same output. 300 queries at positions 0, 7, ..., 2,093 over 2,000 keys
+  // (several tiles, most of them partly visible to a block of queries), the keys in order,
+  // reversed, and shuffled.
+  const std::size_t dim = 64;
+  const std::size_t tokens = 2000;
+  const std::size_t chunk = 300;
+  const Block<float> k({1, 1, tokens, dim}, 11);
+  const Block<float> v({1, 1, tokens, dim}, 12);
+  const Block<float> q({1, 2, chunk, dim}, 13);
+  std::vector<std::int64_t> q_positions(chunk);
+  for (std::size_t t = 0; t < chunk; ++t) q_positions[t] = static_cast<std::int64_t>(7 * t);
+  const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), 0.125, {{}});
+  std::vector<std::size_t> order(tokens);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::vector<std::size_t> shuffled = order;
+  std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937(5));
+  const std::vector<std::size_t> reversed(order.rbegin(), order.rend());
+  const std::vector<std::size_t>* const orders[] = {&order, &reversed, &shuffled};
+  for (const std::vector<std::size_t>* rows : orders) {
+    std::vector<float> keys(tokens * dim);
+    std::vector<float> values(tokens * dim);
+    std::vector<std::int64_t> positions(tokens);
+    for (std::size_t j = 0; j < tokens; ++j) {
+      const std::size_t from = (*rows)[j];
+      std::copy_n(k.data.begin() + static_cast<std::ptrdiff_t>(from * dim), dim,
+                  keys.begin() + static_cast<std::ptrdiff_t>(j * dim));
+      std::copy_n(v.data.begin() + static_cast<std::ptrdiff_t>(from * dim), dim,
+                  values.begin() + static_cast<std::ptrdiff_t>(j * dim));
+      positions[j] = static_cast<std::int64_t>(from);
+    }
+    const Segment<float> segment{TensorView<const float>(keys.data(), {1, 1, tokens, dim}),
+                                 TensorView<const float>(values.data(), {1, 1, tokens, dim}), positions};
+    std::vector<float> out(q.data.size(), std::numeric_limits<float>::quiet_NaN());
+    causal_attention(q.view(), q_positions, History<float>{std::span(&segment, 1)},
+                     TensorView<float>(out.data(), q.shape));
+    const char* name = rows == &order ? "in order" : rows == &reversed ? "reversed" : "shuffled";
+    EXPECT_LE(max_error<float>(TensorView<const float>(out.data(), q.shape), want), 2e-5) << name;
+  }
+}
+
 TEST(AttentionMask, KeysAtNegativePositionsAreNotSinks) {
   // A history built by hand may hold keys before position 0: sinks are positions 0 .. sinks - 1,
   // so with a window those keys age out like any other. Query 4 with window 2 and one sink

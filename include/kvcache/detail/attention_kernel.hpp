@@ -295,7 +295,7 @@ class AttentionKernel {
   void run_tile(const AttentionItem& item, const Segment<T>& segment, std::size_t first, std::size_t count,
                 std::size_t ahead, Workspace& w) const noexcept {
     using Cover = VisibilityRule::Cover;
-    const std::span<const std::int64_t> positions = segment.positions.subspan(first, count);
+    std::span<const std::int64_t> positions = segment.positions.subspan(first, count);
     // Values, not iterators (std::minmax_element): a loop the compiler vectorizes.
     std::int64_t low = positions.front();
     std::int64_t high = positions.front();
@@ -309,6 +309,9 @@ class AttentionKernel {
       any = any || w.covers[t] != Cover::kNone;
     }
     if (!any) return;  // a tile no query may read is never loaded
+    count = visible_prefix(item, positions, w);
+    if (count == 0) return;
+    positions = positions.first(count);
 
     w.readers.clear();
     w.active.clear();
@@ -388,6 +391,26 @@ class AttentionKernel {
                 });
               });
     for (const std::size_t r : w.active) w.sum[r] += sum_of(w.scores.get() + r * tile_, count);
+  }
+
+  /// The keys of a tile worth reading: where some query sees only part of the tile (a chunk's
+  /// own keys, seen causally) and the positions ascend, the keys up to the last one that any
+  /// query of the block may see; the rest are invisible to all of them. A chunk's diagonal tiles
+  /// then cost what their visible part does, not the whole tile.
+  [[nodiscard]] std::size_t visible_prefix(const AttentionItem& item, std::span<const std::int64_t> positions,
+                                           const Workspace& w) const noexcept {
+    using Cover = VisibilityRule::Cover;
+    std::int64_t latest = std::numeric_limits<std::int64_t>::min();
+    bool partial = false;
+    for (std::size_t t = 0; t < item.queries; ++t) {
+      if (w.covers[t] == Cover::kNone) continue;
+      partial = partial || w.covers[t] == Cover::kSome;
+      latest = std::max(latest, q_positions_[item.first_query + t]);
+    }
+    if (!partial || positions.back() <= latest || !std::is_sorted(positions.begin(), positions.end())) {
+      return positions.size();
+    }
+    return static_cast<std::size_t>(std::upper_bound(positions.begin(), positions.end(), latest) - positions.begin());
   }
 
   /// Four rows whose first pass over V gives two of them whole rows and the other two first
