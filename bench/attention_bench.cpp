@@ -17,12 +17,18 @@
 // 64 MiB); in this order both read 43-48. Each ReadBandwidth row sums a separate buffer of the
 // same size with the same thread count, timed apart.
 //
+// Each PrefillAttention row times a causal chunk of T queries after P cached tokens, which is
+// bound by arithmetic, not memory: `vs_multiply_add_peak` is its flop rate over that of a loop of
+// independent multiply-adds at the kernel's vector width, the two timed in turn on every
+// iteration, medians over the run.
+//
 // The benchmarks are built for this machine's vector width (KVCACHE_NATIVE), the tests for the
 // default one: each DecodeAttention row first checks its output against a plain softmax in
 // double, and fails (SkipWithError, and the program's exit status) when they disagree: the
 // smoke run in CI is then a check of the kernel at this machine's vector width.
 //
 //   ./attention_bench --benchmark_filter='Attention|Read'
+//   ./attention_bench --benchmark_filter=Prefill
 //   KVCACHE_BENCH_SMOKE=1 ./attention_bench --benchmark_min_time=0.001   # tiny cases only
 
 #include <benchmark/benchmark.h>
@@ -231,6 +237,91 @@ void BM_DecodeAttention(benchmark::State& state) {
   state.counters["vs_buffer"] = attention > 0 ? twin_read / attention : 0.0;
 }
 
+/// Seconds for `rounds` rounds of 16 independent multiply-add chains on registers of the kernel's
+/// vector width: what one core's multiply-add units do flat out. Returns the flops done too.
+std::pair<double, double> multiply_add_peak(std::size_t rounds) {
+  using V = kvcache::detail::Vector<float>;
+  constexpr std::size_t kChains = 16;
+  V chains[kChains];
+  volatile float seed = 1.0F;  // distinct starting values, so no two chains are merged
+  for (std::size_t c = 0; c < kChains; ++c) chains[c] = kvcache::detail::splat(seed + static_cast<float>(c));
+  const V x = kvcache::detail::splat(0.999999F);
+  const V y = kvcache::detail::splat(1e-7F);
+  const double seconds = time_call([&] {
+    for (std::size_t r = 0; r < rounds; ++r) {
+      for (V& c : chains) c = c * x + y;
+    }
+  });
+  for (const V& c : chains) benchmark::DoNotOptimize(c);
+  return {seconds, 2.0 * static_cast<double>(rounds * kChains * kvcache::detail::kVector<float>)};
+}
+
+/// A chunk of T queries at positions P .. P + T - 1 over everything before them and themselves
+/// (causal prefill). Reports `flops_per_second` (4 D flops per visible query-key pair and query
+/// head: the two products) and `vs_multiply_add_peak`, the median attention call's flop rate over
+/// the median rate of multiply_add_peak, timed in turn on every iteration. Args: T, P, H_q, threads.
+template <class T>
+void BM_PrefillAttention(benchmark::State& state) {
+  const auto chunk = static_cast<std::size_t>(state.range(0));
+  const auto prefix = static_cast<std::size_t>(state.range(1));
+  const auto q_heads = static_cast<std::size_t>(state.range(2));
+  const auto threads = static_cast<std::size_t>(state.range(3));
+  const DecodeSetup<T> setup(prefix + chunk);
+  const kvcache::Shape shape{1, q_heads, chunk, kHeadDim};
+  std::vector<float> q(shape.size());
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(i % 13) / 13.0F - 0.5F;
+  std::vector<float> out(q.size());
+  std::vector<std::int64_t> positions(chunk);
+  std::iota(positions.begin(), positions.end(), static_cast<std::int64_t>(prefix));
+  const kvcache::AttentionOptions options{.threads = threads};
+  const auto attend = [&] {
+    kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), positions, setup.history,
+                              kvcache::TensorView<float>(out.data(), shape), options);
+  };
+  attend();
+  // The last query sees every key: its rows checked against the double reference.
+  std::vector<float> last_q(q_heads * kHeadDim);
+  std::vector<float> last_out(last_q.size());
+  for (std::size_t h = 0; h < q_heads; ++h) {
+    const std::size_t row = (h * chunk + chunk - 1) * kHeadDim;
+    std::copy_n(q.begin() + static_cast<std::ptrdiff_t>(row), kHeadDim,
+                last_q.begin() + static_cast<std::ptrdiff_t>(h * kHeadDim));
+    std::copy_n(out.begin() + static_cast<std::ptrdiff_t>(row), kHeadDim,
+                last_out.begin() + static_cast<std::ptrdiff_t>(h * kHeadDim));
+  }
+  if (const double error = reference_error(last_q, last_out, setup.history, q_heads); !(error <= 1e-4)) {
+    char message[96];
+    std::snprintf(message, sizeof message, "output differs from the double reference by %.3g", error);
+    state.SkipWithError(message);
+    wrong_output = true;
+    return;
+  }
+  double pairs = 0;
+  for (std::size_t t = 0; t < chunk; ++t) pairs += static_cast<double>(prefix + t + 1);
+  const double flops = 4.0 * pairs * static_cast<double>(kHeadDim * q_heads);
+  std::vector<double> peak_seconds;
+  std::vector<double> attention_seconds;
+  double peak_flops = 0;
+  for (auto _ : state) {
+    const auto [seconds, done] = multiply_add_peak(std::size_t{1} << 20);
+    peak_seconds.push_back(seconds);
+    peak_flops = done;
+    const double attention = time_call([&] {
+      attend();
+      benchmark::DoNotOptimize(out.data());
+      benchmark::ClobberMemory();
+    });
+    attention_seconds.push_back(attention);
+    state.SetIterationTime(attention);
+  }
+  const double attention = median(attention_seconds);
+  const double peak = median(peak_seconds);
+  state.counters["flops_per_second"] =
+      benchmark::Counter(flops * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+  state.counters["vs_multiply_add_peak"] =
+      attention > 0 && peak > 0 ? (flops / attention) / (peak_flops / peak) / static_cast<double>(threads) : 0.0;
+}
+
 /// Plain read of a buffer as large as the K and V of S tokens of `T`. Args: S, threads, sizeof(T).
 void BM_ReadBandwidth(benchmark::State& state) {
   const auto tokens = static_cast<std::size_t>(state.range(0));
@@ -274,6 +365,16 @@ void register_all() {
                        ->Args({h, s, t}));
       }
     }
+  }
+  // Causal prefill: a 512-token chunk from the start and after 2,048 cached tokens, one core.
+  const std::int64_t chunk = tiny ? 32 : 512;
+  for (std::int64_t prefix : {std::int64_t{0}, tiny ? std::int64_t{32} : std::int64_t{2048}}) {
+    add_manual(benchmark::RegisterBenchmark("PrefillAttention<float>", BM_PrefillAttention<float>)
+                   ->ArgNames({"T", "P", "H_q", "threads"})
+                   ->Args({chunk, prefix, 16, 1}));
+    add_manual(benchmark::RegisterBenchmark("PrefillAttention<bfloat16>", BM_PrefillAttention<Eigen::bfloat16>)
+                   ->ArgNames({"T", "P", "H_q", "threads"})
+                   ->Args({chunk, prefix, 16, 1}));
   }
 }
 
