@@ -182,6 +182,18 @@ double reference_error(const std::vector<float>& q, const std::vector<float>& ou
   return worst;
 }
 
+/// Whether an output's largest difference from the double reference is within float
+/// accumulation's reach over up to 32768 keys of values in [-0.5, 0.5]; if not, the benchmark is
+/// skipped with the error and the program fails.
+bool matches_reference(benchmark::State& state, double error) {
+  if (error <= 1e-4) return true;  // NaN is not
+  char message[96];
+  std::snprintf(message, sizeof message, "output differs from the double reference by %.3g", error);
+  state.SkipWithError(message);
+  wrong_output = true;
+  return false;
+}
+
 /// Args: H_q, S, threads.
 template <class T>
 void BM_DecodeAttention(benchmark::State& state) {
@@ -197,14 +209,7 @@ void BM_DecodeAttention(benchmark::State& state) {
   const kvcache::AttentionOptions options{.threads = threads};
   kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), position, setup.history,
                             kvcache::TensorView<float>(out.data(), shape), options);
-  // Float accumulation over up to 32768 keys of values in [-0.5, 0.5].
-  if (const double error = reference_error(q, out, setup.history, q_heads); !(error <= 1e-4)) {
-    char message[96];
-    std::snprintf(message, sizeof message, "output differs from the double reference by %.3g", error);
-    state.SkipWithError(message);
-    wrong_output = true;
-    return;
-  }
+  if (!matches_reference(state, reference_error(q, out, setup.history, q_heads))) return;
   const auto buffers = setup.buffers();
   const DecodeSetup<T> twin(tokens);
   const auto twin_buffers = twin.buffers();
@@ -289,13 +294,7 @@ void BM_PrefillAttention(benchmark::State& state) {
     std::copy_n(out.begin() + static_cast<std::ptrdiff_t>(row), kHeadDim,
                 last_out.begin() + static_cast<std::ptrdiff_t>(h * kHeadDim));
   }
-  if (const double error = reference_error(last_q, last_out, setup.history, q_heads); !(error <= 1e-4)) {
-    char message[96];
-    std::snprintf(message, sizeof message, "output differs from the double reference by %.3g", error);
-    state.SkipWithError(message);
-    wrong_output = true;
-    return;
-  }
+  if (!matches_reference(state, reference_error(last_q, last_out, setup.history, q_heads))) return;
   double pairs = 0;
   for (std::size_t t = 0; t < chunk; ++t) pairs += static_cast<double>(prefix + t + 1);
   const double flops = 4.0 * pairs * static_cast<double>(kHeadDim * q_heads);
