@@ -233,7 +233,8 @@ inline Vector<float> floats_from_half_bits(const Vector<std::uint32_t>& bits) no
   const Bits magnitude = bits & 0x7FFFU;
   // Exponent and mantissa moved to where a float keeps them: read as a float, that is the half's
   // value times 2^-112, subnormal halves included (they become float subnormals or normals
-  // scaled alike), so one exact multiply rebases the exponent.
+  // scaled alike), so one exact multiply rebases the exponent. (A program that sets
+  // denormals-are-zero, as -ffast-math may, reads half subnormals, below 6.1e-5, as 0.)
   const Bits scaled = std::bit_cast<Bits>(std::bit_cast<Vector<float>>(magnitude << 13) * 0x1p112F);
   // Infinity and NaN (exponent all ones, now 2^16 times 1.mantissa) get a float's all-ones
   // exponent; a signed comparison, which SSE2 has, as the magnitude fits in 15 bits.
