@@ -492,6 +492,35 @@ TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
   }
 }
 
+TEST(AttentionMask, AWindowOverALongChunkReadsOnlyWhatEachQuerySees) {
+  // 300 queries at positions 0, 7, ..., 2,093 over 2,000 keys with a window of 50 and 4 sinks:
+  // each block of queries sees a few dozen keys of tiles that hold a thousand. The sinks come as
+  // a segment of their own (as a ring returns them) or inside the one segment.
+  const std::size_t dim = 32;
+  const std::size_t tokens = 2000;
+  const std::size_t chunk = 300;
+  const std::size_t sinks = 4;
+  const Block<float> k({1, 2, tokens, dim}, 21);
+  const Block<float> v({1, 2, tokens, dim}, 22);
+  const Block<float> q({1, 4, chunk, dim}, 23);
+  std::vector<std::int64_t> q_positions(chunk);
+  for (std::size_t t = 0; t < chunk; ++t) q_positions[t] = static_cast<std::int64_t>(7 * t);
+  const std::vector<std::int64_t> positions = arange(0, tokens);
+  const std::span<const std::int64_t> all(positions);
+  const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), 0.25, {{50, sinks}});
+  const std::vector<Segment<float>> split{
+      {k.view().tokens(0, sinks), v.view().tokens(0, sinks), all.first(sinks)},
+      {k.view().tokens(sinks, tokens - sinks), v.view().tokens(sinks, tokens - sinks), all.subspan(sinks)}};
+  const std::vector<Segment<float>> whole{{k.view(), v.view(), all}};
+  for (const auto* segments : {&split, &whole}) {
+    std::vector<float> out(q.data.size(), std::numeric_limits<float>::quiet_NaN());
+    causal_attention(q.view(), q_positions, History<float>{*segments}, TensorView<float>(out.data(), q.shape),
+                     {.scale = 0.25F, .window = 50, .sinks = sinks});
+    EXPECT_LE(max_error<float>(TensorView<const float>(out.data(), q.shape), want), 2e-5)
+        << segments->size() << " segments";
+  }
+}
+
 TEST(AttentionMask, KeysAtNegativePositionsAreNotSinks) {
   // A history built by hand may hold keys before position 0: sinks are positions 0 .. sinks - 1,
   // so with a window those keys age out like any other. Query 4 with window 2 and one sink

@@ -17,6 +17,7 @@
 #include <system_error>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvcache/detail/assert.hpp"
@@ -40,6 +41,25 @@ class VisibilityRule {
       if (!in_window) return false;
     }
     return true;
+  }
+
+  /// The lowest position a key other than a sink needs to be visible to `query`: the latest
+  /// start of the windows that apply (the lowest position there is, with none).
+  [[nodiscard]] std::int64_t window_start(std::int64_t query) const noexcept {
+    std::int64_t start = std::numeric_limits<std::int64_t>::min();
+    for (std::size_t i = 0; i < 2; ++i) {
+      if (windows_[i] != 0) start = std::max(start, query - to_signed(windows_[i]) + 1);
+    }
+    return start;
+  }
+
+  /// One past the last sink position of any window that applies: keys from here on are never sinks.
+  [[nodiscard]] std::int64_t sinks_end() const noexcept {
+    std::int64_t end = 0;
+    for (std::size_t i = 0; i < 2; ++i) {
+      if (windows_[i] != 0) end = std::max(end, to_signed(sinks_[i]));
+    }
+    return end;
   }
 
   enum class Cover { kNone, kSome, kAll };
@@ -296,6 +316,17 @@ class AttentionKernel {
                 std::size_t ahead, Workspace& w) const noexcept {
     using Cover = VisibilityRule::Cover;
     std::span<const std::int64_t> positions = segment.positions.subspan(first, count);
+    // Sinks in front of other keys in one tile: the sinks as a tile of their own, so that the
+    // keys after them can be trimmed to the queries' windows (visible_range).
+    if (const std::int64_t sinks_end = rule_.sinks_end(); positions.front() < sinks_end &&
+                                                          positions.back() >= sinks_end &&
+                                                          std::is_sorted(positions.begin(), positions.end())) {
+      const auto sinks =
+          static_cast<std::size_t>(std::lower_bound(positions.begin(), positions.end(), sinks_end) - positions.begin());
+      run_tile(item, segment, first, sinks, count - sinks + ahead, w);
+      run_tile(item, segment, first + sinks, count - sinks, ahead, w);
+      return;
+    }
     // Values, not iterators (std::minmax_element): a loop the compiler vectorizes.
     std::int64_t low = positions.front();
     std::int64_t high = positions.front();
@@ -309,9 +340,11 @@ class AttentionKernel {
       any = any || w.covers[t] != Cover::kNone;
     }
     if (!any) return;  // a tile no query may read is never loaded
-    count = visible_prefix(item, positions, w);
-    if (count == 0) return;
-    positions = positions.first(count);
+    const auto [skip, end] = visible_range(item, positions, w);
+    if (skip == end) return;
+    first += skip;
+    count = end - skip;
+    positions = positions.subspan(skip, count);
 
     w.readers.clear();
     w.active.clear();
@@ -393,24 +426,33 @@ class AttentionKernel {
     for (const std::size_t r : w.active) w.sum[r] += sum_of(w.scores.get() + r * tile_, count);
   }
 
-  /// The keys of a tile worth reading: where some query sees only part of the tile (a chunk's
-  /// own keys, seen causally) and the positions ascend, the keys up to the last one that any
-  /// query of the block may see; the rest are invisible to all of them. A chunk's diagonal tiles
-  /// then cost what their visible part does, not the whole tile.
-  [[nodiscard]] std::size_t visible_prefix(const AttentionItem& item, std::span<const std::int64_t> positions,
-                                           const Workspace& w) const noexcept {
+  /// The keys [skip, end) of a tile worth reading. Where some query sees only part of the tile
+  /// and the positions ascend (every cache's segments do), the keys after the last one any query
+  /// of the block may see, and those before the earliest start of their windows (where the tile
+  /// holds no sink), are invisible to all of them: a chunk's tiles then cost what their visible
+  /// part does, causally and under a window.
+  [[nodiscard]] std::pair<std::size_t, std::size_t> visible_range(const AttentionItem& item,
+                                                                  std::span<const std::int64_t> positions,
+                                                                  const Workspace& w) const noexcept {
     using Cover = VisibilityRule::Cover;
     std::int64_t latest = std::numeric_limits<std::int64_t>::min();
+    std::int64_t oldest = std::numeric_limits<std::int64_t>::max();
     bool partial = false;
     for (std::size_t t = 0; t < item.queries; ++t) {
       if (w.covers[t] == Cover::kNone) continue;
+      const std::int64_t query = q_positions_[item.first_query + t];
       partial = partial || w.covers[t] == Cover::kSome;
-      latest = std::max(latest, q_positions_[item.first_query + t]);
+      latest = std::max(latest, query);
+      oldest = std::min(oldest, rule_.window_start(query));
     }
-    if (!partial || positions.back() <= latest || !std::is_sorted(positions.begin(), positions.end())) {
-      return positions.size();
+    const bool trims_end = positions.back() > latest;
+    const bool trims_start = positions.front() < oldest && positions.front() >= rule_.sinks_end();
+    if (!partial || !(trims_end || trims_start) || !std::is_sorted(positions.begin(), positions.end())) {
+      return {0, positions.size()};
     }
-    return static_cast<std::size_t>(std::upper_bound(positions.begin(), positions.end(), latest) - positions.begin());
+    const auto begin = trims_start ? std::lower_bound(positions.begin(), positions.end(), oldest) : positions.begin();
+    const auto end = trims_end ? std::upper_bound(begin, positions.end(), latest) : positions.end();
+    return {static_cast<std::size_t>(begin - positions.begin()), static_cast<std::size_t>(end - positions.begin())};
   }
 
 #if defined(__clang__)
