@@ -262,15 +262,18 @@ std::pair<double, double> multiply_add_peak(std::size_t rounds) {
 }
 
 /// A chunk of T queries at positions P .. P + T - 1 over everything before them and themselves
-/// (causal prefill). Reports `flops_per_second` (4 D flops per visible query-key pair and query
-/// head: the two products) and `vs_multiply_add_peak`, the median attention call's flop rate over
-/// the median rate of multiply_add_peak, timed in turn on every iteration. Args: T, P, H_q, threads.
+/// (causal prefill), or over the last `window` positions and 4 sinks where window > 0. Reports `flops_per_second` (4 D
+/// flops per visible query-key pair and query head: the two products) and `vs_multiply_add_peak`, the median attention
+/// call's flop rate over the median rate of multiply_add_peak, timed in turn on every iteration. Args: T, P, H_q,
+/// threads, window.
 template <class T>
 void BM_PrefillAttention(benchmark::State& state) {
   const auto chunk = static_cast<std::size_t>(state.range(0));
   const auto prefix = static_cast<std::size_t>(state.range(1));
   const auto q_heads = static_cast<std::size_t>(state.range(2));
   const auto threads = static_cast<std::size_t>(state.range(3));
+  const auto window = static_cast<std::size_t>(state.range(4));
+  constexpr std::size_t kSinks = 4;
   const DecodeSetup<T> setup(prefix + chunk);
   const kvcache::Shape shape{1, q_heads, chunk, kHeadDim};
   std::vector<float> q(shape.size());
@@ -278,13 +281,14 @@ void BM_PrefillAttention(benchmark::State& state) {
   std::vector<float> out(q.size());
   std::vector<std::int64_t> positions(chunk);
   std::iota(positions.begin(), positions.end(), static_cast<std::int64_t>(prefix));
-  const kvcache::AttentionOptions options{.threads = threads};
+  const kvcache::AttentionOptions options{.window = window, .sinks = window > 0 ? kSinks : 0, .threads = threads};
   const auto attend = [&] {
     kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), positions, setup.history,
                               kvcache::TensorView<float>(out.data(), shape), options);
   };
   attend();
-  // The last query sees every key: its rows checked against the double reference.
+  // The last query's rows checked against the double reference over the keys it sees: every
+  // key, or the sinks and its window.
   std::vector<float> last_q(q_heads * kHeadDim);
   std::vector<float> last_out(last_q.size());
   for (std::size_t h = 0; h < q_heads; ++h) {
@@ -294,9 +298,20 @@ void BM_PrefillAttention(benchmark::State& state) {
     std::copy_n(out.begin() + static_cast<std::ptrdiff_t>(row), kHeadDim,
                 last_out.begin() + static_cast<std::ptrdiff_t>(h * kHeadDim));
   }
-  if (!matches_reference(state, reference_error(last_q, last_out, setup.history, q_heads))) return;
+  const std::size_t keys = prefix + chunk;
+  const kvcache::Segment<T>& all = setup.history.segments.front();
+  std::vector<kvcache::Segment<T>> seen{all};
+  if (window > 0 && keys > window + kSinks) {
+    seen = {{all.keys.tokens(0, kSinks), all.values.tokens(0, kSinks), all.positions.first(kSinks)},
+            {all.keys.tokens(keys - window, window), all.values.tokens(keys - window, window),
+             all.positions.subspan(keys - window)}};
+  }
+  if (!matches_reference(state, reference_error(last_q, last_out, kvcache::History<T>{seen}, q_heads))) return;
   double pairs = 0;
-  for (std::size_t t = 0; t < chunk; ++t) pairs += static_cast<double>(prefix + t + 1);
+  for (std::size_t t = 0; t < chunk; ++t) {
+    const std::size_t p = prefix + t;  // sees p + 1 keys, or its window and the sinks before it
+    pairs += static_cast<double>(window == 0 || p < window + kSinks ? p + 1 : window + kSinks);
+  }
   const double flops = 4.0 * pairs * static_cast<double>(kHeadDim * q_heads);
   std::vector<double> peak_seconds;
   std::vector<double> attention_seconds;
@@ -365,15 +380,19 @@ void register_all() {
       }
     }
   }
-  // Causal prefill: a 512-token chunk from the start and after 2,048 cached tokens, one core.
+  // Causal prefill, one core: a 512-token chunk from the start and after 2,048 cached tokens, and
+  // a 2,048-token one under a window of 128 (and 4 sinks).
   const std::int64_t chunk = tiny ? 32 : 512;
-  for (std::int64_t prefix : {std::int64_t{0}, tiny ? std::int64_t{32} : std::int64_t{2048}}) {
+  const std::int64_t prefix = tiny ? 32 : 2048;
+  const std::vector<std::vector<std::int64_t>> prefill{
+      {chunk, 0, 16, 1, 0}, {chunk, prefix, 16, 1, 0}, {tiny ? 64 : 2048, 0, 16, 1, tiny ? 8 : 128}};
+  for (const auto& args : prefill) {
     add_manual(benchmark::RegisterBenchmark("PrefillAttention<float>", BM_PrefillAttention<float>)
-                   ->ArgNames({"T", "P", "H_q", "threads"})
-                   ->Args({chunk, prefix, 16, 1}));
+                   ->ArgNames({"T", "P", "H_q", "threads", "window"})
+                   ->Args(args));
     add_manual(benchmark::RegisterBenchmark("PrefillAttention<bfloat16>", BM_PrefillAttention<Eigen::bfloat16>)
-                   ->ArgNames({"T", "P", "H_q", "threads"})
-                   ->Args({chunk, prefix, 16, 1}));
+                   ->ArgNames({"T", "P", "H_q", "threads", "window"})
+                   ->Args(args));
   }
 }
 
