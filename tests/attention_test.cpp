@@ -450,6 +450,14 @@ TEST(AttentionMask, RingHidesKeysOlderThanItsWindowAndKeepsSinks) {
   for (std::size_t d = 0; d < dim; ++d) EXPECT_NEAR(out[d], d == 18 || d == 19 ? 0.5F : 0.0F, 1e-6F) << d;
 }
 
+/// `count` query positions `step` apart from 0: a chunk whose blocks each see a different part
+/// of a long history.
+std::vector<std::int64_t> spread(std::size_t count, std::size_t step) {
+  std::vector<std::int64_t> positions(count);
+  for (std::size_t t = 0; t < count; ++t) positions[t] = static_cast<std::int64_t>(t * step);
+  return positions;
+}
+
 TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
   // Attention is a sum over keys: a history whose rows come in another order, each with its own
   // position, gives the same output. 300 queries at positions 0, 7, ..., 2,093 over 2,000 keys
@@ -461,8 +469,7 @@ TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
   const Block<float> k({1, 1, tokens, dim}, 11);
   const Block<float> v({1, 1, tokens, dim}, 12);
   const Block<float> q({1, 2, chunk, dim}, 13);
-  std::vector<std::int64_t> q_positions(chunk);
-  for (std::size_t t = 0; t < chunk; ++t) q_positions[t] = static_cast<std::int64_t>(7 * t);
+  const std::vector<std::int64_t> q_positions = spread(chunk, 7);
   const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), 0.125, {{}});
   std::vector<std::size_t> order(tokens);
   std::iota(order.begin(), order.end(), std::size_t{0});
@@ -503,8 +510,7 @@ TEST(AttentionMask, AWindowOverALongChunkReadsOnlyWhatEachQuerySees) {
   const Block<float> k({1, 2, tokens, dim}, 21);
   const Block<float> v({1, 2, tokens, dim}, 22);
   const Block<float> q({1, 4, chunk, dim}, 23);
-  std::vector<std::int64_t> q_positions(chunk);
-  for (std::size_t t = 0; t < chunk; ++t) q_positions[t] = static_cast<std::int64_t>(7 * t);
+  const std::vector<std::int64_t> q_positions = spread(chunk, 7);
   const std::vector<std::int64_t> positions = arange(0, tokens);
   const std::span<const std::int64_t> all(positions);
   const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), 0.25, {{50, sinks}});
