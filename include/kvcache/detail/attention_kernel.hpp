@@ -335,12 +335,16 @@ class AttentionKernel {
       high = std::max(high, p);
     }
     bool any = false;
+    bool some = false;  // a query that sees part of the tile
     for (std::size_t t = 0; t < item.queries; ++t) {
       w.covers[t] = rule_.cover(q_positions_[item.first_query + t], low, high);
       any = any || w.covers[t] != Cover::kNone;
+      some = some || w.covers[t] == Cover::kSome;
     }
     if (!any) return;  // a tile no query may read is never loaded
-    const auto [skip, end] = visible_range(item, positions, w);
+    // Every cache's segments hold ascending positions; a hand-built history need not.
+    const bool ascending = some && std::is_sorted(positions.begin(), positions.end());
+    const auto [skip, end] = visible_range(item, positions, ascending, w);
     if (skip == end) return;
     first += skip;
     count = end - skip;
@@ -378,11 +382,7 @@ class AttentionKernel {
                   const std::int64_t query = q_positions_[item.first_query + t];
                   for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) {
                     Acc* scores = w.scores.get() + r * tile_;
-                    if (w.covers[t] == Cover::kSome) {
-                      for (std::size_t j = 0; j < count; ++j) {
-                        if (!rule_.visible(query, positions[j])) scores[j] = -std::numeric_limits<Acc>::infinity();
-                      }
-                    }
+                    if (w.covers[t] == Cover::kSome) mask_invisible(query, positions, ascending, scores);
                     if (rescale_for_tile(scores, count, w.max[r], w.sum[r], w.acc.data() + r * dim_)) {
                       w.active.push_back(r);
                     }
@@ -426,30 +426,45 @@ class AttentionKernel {
     for (const std::size_t r : w.active) w.sum[r] += sum_of(w.scores.get() + r * tile_, count);
   }
 
+  /// Sets the scores of the keys `query` may not see to -inf. Over ascending positions the keys
+  /// from the latest window start up to the query are all visible, so only those after it are
+  /// masked outright and only those before it checked one by one (sinks, older keys): a chunk's
+  /// diagonal tiles then cost no check a key (causal prefill from 0, 512 tokens: the checks had
+  /// taken about a seventh of the time; AVX-512 AMD EPYC).
+  void mask_invisible(std::int64_t query, std::span<const std::int64_t> positions, bool ascending,
+                      Acc* scores) const noexcept {
+    std::size_t check_end = positions.size();
+    if (ascending) {
+      const auto end = std::upper_bound(positions.begin(), positions.end(), query);
+      const auto start = std::lower_bound(positions.begin(), end, rule_.window_start(query));
+      std::fill(scores + (end - positions.begin()), scores + positions.size(), -std::numeric_limits<Acc>::infinity());
+      check_end = static_cast<std::size_t>(start - positions.begin());
+    }
+    for (std::size_t j = 0; j < check_end; ++j) {
+      if (!rule_.visible(query, positions[j])) scores[j] = -std::numeric_limits<Acc>::infinity();
+    }
+  }
+
   /// The keys [skip, end) of a tile worth reading. Where some query sees only part of the tile
-  /// and the positions ascend (every cache's segments do), the keys after the last one any query
+  /// and the positions ascend (`ascending`; every cache's segments do), the keys after the last one any query
   /// of the block may see, and those before the earliest start of their windows (where the tile
   /// holds no sink), are invisible to all of them: a chunk's tiles then cost what their visible
   /// part does, causally and under a window.
   [[nodiscard]] std::pair<std::size_t, std::size_t> visible_range(const AttentionItem& item,
                                                                   std::span<const std::int64_t> positions,
-                                                                  const Workspace& w) const noexcept {
-    using Cover = VisibilityRule::Cover;
+                                                                  bool ascending, const Workspace& w) const noexcept {
+    if (!ascending) return {0, positions.size()};
     std::int64_t latest = std::numeric_limits<std::int64_t>::min();
     std::int64_t oldest = std::numeric_limits<std::int64_t>::max();
-    bool partial = false;
     for (std::size_t t = 0; t < item.queries; ++t) {
-      if (w.covers[t] == Cover::kNone) continue;
+      if (w.covers[t] == VisibilityRule::Cover::kNone) continue;
       const std::int64_t query = q_positions_[item.first_query + t];
-      partial = partial || w.covers[t] == Cover::kSome;
       latest = std::max(latest, query);
       oldest = std::min(oldest, rule_.window_start(query));
     }
     const bool trims_end = positions.back() > latest;
     const bool trims_start = positions.front() < oldest && positions.front() >= rule_.sinks_end();
-    if (!partial || !(trims_end || trims_start) || !std::is_sorted(positions.begin(), positions.end())) {
-      return {0, positions.size()};
-    }
+    if (!(trims_end || trims_start)) return {0, positions.size()};
     const auto begin = trims_start ? std::lower_bound(positions.begin(), positions.end(), oldest) : positions.begin();
     const auto end = trims_end ? std::upper_bound(begin, positions.end(), latest) : positions.end();
     return {static_cast<std::size_t>(begin - positions.begin()), static_cast<std::size_t>(end - positions.begin())};
