@@ -53,6 +53,9 @@ class VisibilityRule {
     return start;
   }
 
+  /// Whether a window applies at all.
+  [[nodiscard]] bool windowed() const noexcept { return windows_[0] != 0 || windows_[1] != 0; }
+
   /// One past the last sink position of any window that applies: keys from here on are never sinks.
   [[nodiscard]] std::int64_t sinks_end() const noexcept {
     std::int64_t end = 0;
@@ -165,6 +168,12 @@ class AttentionKernel {
     offsets_.reserve(segments_.size() + 1);
     offsets_.push_back(0);
     for (const Segment<T>& s : segments_) offsets_.push_back(offsets_.back() + s.tokens());
+    // Only queries that may see part of a tile (several of them, or a window) use the order.
+    const bool partly_visible = q.tokens() > 1 || rule.windowed();
+    ascending_.reserve(segments_.size());
+    for (const Segment<T>& s : segments_) {
+      ascending_.push_back(partly_visible && std::is_sorted(s.positions.begin(), s.positions.end()));
+    }
   }
 
   [[nodiscard]] std::size_t keys() const noexcept { return offsets_.back(); }
@@ -205,7 +214,7 @@ class AttentionKernel {
       const std::size_t hi = std::min(item.key_end, offsets_[s + 1]);
       for (std::size_t j = lo; j < hi; j += tile_) {
         const std::size_t count = std::min(tile_, hi - j);
-        run_tile(item, segments_[s], j - offsets_[s], count, hi - j - count, w);
+        run_tile(item, segments_[s], ascending_[s] != 0, j - offsets_[s], count, hi - j - count, w);
       }
     }
     if (partials != nullptr) {
@@ -311,28 +320,30 @@ class AttentionKernel {
     }
   }
 
-  /// One tile of keys [first, first + count) of a segment; `ahead` keys follow it in the same item.
-  void run_tile(const AttentionItem& item, const Segment<T>& segment, std::size_t first, std::size_t count,
-                std::size_t ahead, Workspace& w) const noexcept {
+  /// One tile of keys [first, first + count) of a segment, whose positions may ascend; `ahead`
+  /// keys follow it in the same item.
+  void run_tile(const AttentionItem& item, const Segment<T>& segment, bool ascending_segment, std::size_t first,
+                std::size_t count, std::size_t ahead, Workspace& w) const noexcept {
     using Cover = VisibilityRule::Cover;
     std::span<const std::int64_t> positions = segment.positions.subspan(first, count);
     // Sinks in front of other keys in one tile: the sinks as a tile of their own, so that the
     // keys after them can be trimmed to the queries' windows (visible_range).
-    if (const std::int64_t sinks_end = rule_.sinks_end(); positions.front() < sinks_end &&
-                                                          positions.back() >= sinks_end &&
-                                                          std::is_sorted(positions.begin(), positions.end())) {
+    if (const std::int64_t sinks_end = rule_.sinks_end();
+        ascending_segment && positions.front() < sinks_end && positions.back() >= sinks_end) {
       const auto sinks =
           static_cast<std::size_t>(std::lower_bound(positions.begin(), positions.end(), sinks_end) - positions.begin());
-      run_tile(item, segment, first, sinks, count - sinks + ahead, w);
-      run_tile(item, segment, first + sinks, count - sinks, ahead, w);
+      run_tile(item, segment, true, first, sinks, count - sinks + ahead, w);
+      run_tile(item, segment, true, first + sinks, count - sinks, ahead, w);
       return;
     }
-    // Values, not iterators (std::minmax_element): a loop the compiler vectorizes.
     std::int64_t low = positions.front();
-    std::int64_t high = positions.front();
-    for (const std::int64_t p : positions) {
-      low = std::min(low, p);
-      high = std::max(high, p);
+    std::int64_t high = positions.back();
+    if (!ascending_segment) {
+      // Values, not iterators (std::minmax_element): a loop the compiler vectorizes.
+      for (const std::int64_t p : positions) {
+        low = std::min(low, p);
+        high = std::max(high, p);
+      }
     }
     bool any = false;
     bool some = false;  // a query that sees part of the tile
@@ -342,8 +353,7 @@ class AttentionKernel {
       some = some || w.covers[t] == Cover::kSome;
     }
     if (!any) return;  // a tile no query may read is never loaded
-    // Every cache's segments hold ascending positions; a hand-built history need not.
-    const bool ascending = some && std::is_sorted(positions.begin(), positions.end());
+    const bool ascending = some && ascending_segment;
     const auto [skip, end] = visible_range(item, positions, ascending, w);
     if (skip == end) return;
     first += skip;
@@ -653,6 +663,9 @@ class AttentionKernel {
   std::size_t rows_;
   std::size_t tile_;
   std::vector<std::size_t> offsets_;  // segment s holds keys [offsets_[s], offsets_[s + 1])
+  // Whether segment s's positions ascend (every cache's do; a hand-built history's need not),
+  // where a call needs to know: found once a call, not once a tile of every block.
+  std::vector<char> ascending_;
 };
 
 /// Threads for `work_bytes` of K and V reads: `requested`, or for 0 one per kBytesPerThread of
