@@ -437,10 +437,10 @@ class AttentionKernel {
   }
 
   /// Sets the scores of the keys `query` may not see to -inf. Over ascending positions the keys
-  /// from the latest window start up to the query are all visible, so only those after it are
-  /// masked outright and only those before it checked one by one (sinks, older keys): a chunk's
-  /// diagonal tiles then cost no check a key (causal prefill from 0, 512 tokens: the checks had
-  /// taken about a seventh of the time; AVX-512 AMD EPYC).
+  /// from the latest window start up to the query are all visible: those past the query are
+  /// masked by one fill, and only those before that start (sinks, older keys) are checked one by
+  /// one. A chunk's diagonal tiles then cost no check a key (causal prefill from 0, 512 tokens:
+  /// checking every key had taken about a seventh of the time; AVX-512 AMD EPYC).
   void mask_invisible(std::int64_t query, std::span<const std::int64_t> positions, bool ascending,
                       Acc* scores) const noexcept {
     std::size_t check_end = positions.size();
