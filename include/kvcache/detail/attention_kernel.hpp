@@ -456,10 +456,10 @@ class AttentionKernel {
   }
 
   /// The keys [skip, end) of a tile worth reading. Where some query sees only part of the tile
-  /// and the positions ascend (`ascending`; every cache's segments do), the keys after the last one any query
-  /// of the block may see, and those before the earliest start of their windows (where the tile
-  /// holds no sink), are invisible to all of them: a chunk's tiles then cost what their visible
-  /// part does, causally and under a window.
+  /// and the positions ascend (`ascending`; every cache's segments do), the keys after the last
+  /// one any query of the block may see, and those before the earliest start of their windows
+  /// (where the tile holds no sink), are invisible to all of them: a chunk's tiles then cost what
+  /// their visible part does, causally and under a window.
   [[nodiscard]] std::pair<std::size_t, std::size_t> visible_range(const AttentionItem& item,
                                                                   std::span<const std::int64_t> positions,
                                                                   bool ascending, const Workspace& w) const noexcept {
