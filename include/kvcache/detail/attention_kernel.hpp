@@ -22,6 +22,7 @@
 
 #include "kvcache/detail/assert.hpp"
 #include "kvcache/detail/attention_math.hpp"
+#include "kvcache/detail/row_fetcher.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache::detail {
@@ -90,38 +91,6 @@ class VisibilityRule {
   }
   std::size_t windows_[2];
   std::size_t sinks_[2];
-};
-
-/// Asks memory for the row a fixed distance ahead of the one a pass reads, in the same stream,
-/// so that requests leave the core while it computes. Measured on an AVX-512 AMD EPYC: a loop
-/// shaped like a tile's passes (512-byte rows, four multiply-adds per cache line) read at 0.65
-/// of the plain read's rate on its own, 0.85 asking 8 KiB ahead. A default one asks for
-/// nothing: the passes that read a tile again from cache.
-class RowFetcher {
- public:
-  /// The bytes ahead of the row being read: 6-8 KiB did best there, 1-2 KiB too little.
-  static constexpr std::size_t kAheadBytes = 8192;
-
-  RowFetcher() noexcept = default;
-  /// Rows of `row_bytes` from `rows`, `stride` bytes apart, of which the first `end` exist.
-  RowFetcher(const void* rows, std::size_t stride, std::size_t row_bytes, std::size_t end) noexcept
-      : rows_(static_cast<const char*>(rows)),
-        stride_(stride),
-        row_bytes_(row_bytes),
-        ahead_(std::max<std::size_t>(kAheadBytes / std::max<std::size_t>(row_bytes, 1), 1)),
-        end_(end) {}
-
-  /// Row j is being read.
-  KVCACHE_ALWAYS_INLINE void operator()(std::size_t j) const noexcept {
-    if (j + ahead_ < end_) prefetch(rows_ + (j + ahead_) * stride_, row_bytes_);
-  }
-
- private:
-  const char* rows_ = nullptr;
-  std::size_t stride_ = 0;
-  std::size_t row_bytes_ = 0;
-  std::size_t ahead_ = 1;
-  std::size_t end_ = 0;
 };
 
 /// One work item: queries [first_query, first_query + queries) of kv head `kv_head` in batch
@@ -370,9 +339,10 @@ class AttentionKernel {
     // where it does enough arithmetic per byte: more than one float row over float K (at one,
     // the hardware prefetcher keeps up and asking cost 10%; two and four float rows gained
     // 5-15%, one to four bf16 rows 5-15%). The first pass over V reads whole rows in order and
-    // asks only for 16-bit rows (bf16 gained 5-10% at two and four query rows, 3-11% at one;
-    // float lost 5-10%, and up to 30% before the tiles grew to 128 KiB). The other passes read
-    // the tile from cache. (All measured on an AVX-512 AMD EPYC.)
+    // asks for 16-bit rows (bf16 gained 5-10% at two and four query rows, 3-11% at one; float
+    // lost 5-10%, and up to 30% before the tiles grew to 128 KiB), and for float rows where the
+    // fetch policy says (Intel Xeon). The other passes read the tile from cache. (All measured
+    // on an AVX-512 AMD EPYC, where not said otherwise.)
     const RowFetcher none;
     const bool fetch_keys = w.readers.size() * sizeof(Acc) >= 2 * sizeof(T);
     with_rows(segment.keys, item, first, count, fetch_keys ? count + ahead : 0, w.keys,
@@ -409,7 +379,8 @@ class AttentionKernel {
     constexpr bool sixteen_bit = sizeof(T) < sizeof(Acc);
     // A row shorter than one read is summed by scalars, which call no hook: weighed first.
     const bool weigh_in_pass = kWeighInPass && sixteen_bit && dim_ >= RowReader<Stored, Acc>::kSplit * kW;
-    with_rows(segment.values, item, first, count, sixteen_bit ? count + ahead : 0, w.values,
+    const bool fetch_values = sixteen_bit || fetch_policy().float_values;
+    with_rows(segment.values, item, first, count, fetch_values ? count + ahead : 0, w.values,
               [&](const Stored* values, std::size_t stride, const RowFetcher& fetch) {
                 for_each_value_group(w.active.size(), [&](auto group, std::size_t i) {
                   constexpr std::size_t R = rows_of(group);

@@ -599,17 +599,6 @@ inline Acc sum_of(const Acc* x, std::size_t n) noexcept {
   return sum;
 }
 
-/// Hints that `bytes` from `p` will be read soon (a tile ahead of the one being computed).
-KVCACHE_ALWAYS_INLINE inline void prefetch(const void* p, std::size_t bytes) noexcept {
-#if defined(__GNUC__) || defined(__clang__)
-  const char* c = static_cast<const char*>(p);
-  for (std::size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 3);
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
 /// e^x for x <= 0, with e^x = 0 below -87 (and for -inf, a masked score). Within 1 ulp in
 /// float; no branch, call or float-to-int conversion, so that a loop over a tile of scores
 /// vectorizes.
