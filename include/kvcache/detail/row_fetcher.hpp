@@ -37,9 +37,9 @@ struct FetchPolicy {
 /// worse), 16-bit V rows only (asking for float V rows lost 5-10%). On an Intel Xeon with
 /// AVX-512 (2 vCPUs, about 16 GB/s from memory for one core), prefetcht0 holds one of L1's few
 /// fill buffers for the whole trip to memory: 16 KiB ahead into L2, float V rows included, read
-/// 0.05-0.15 closer to the plain read at every H_q, S >= 16,384, one and two cores (float
-/// H_q = 32, one core: 0.74-0.80 -> 0.80-0.88); 32 or 64 KiB, or L2 far and L1 2 KiB ahead, no
-/// better.
+/// 0.04-0.13 closer to the plain read of the same bytes at every H_q, S >= 16,384, one and two
+/// cores (float H_q = 32, one core: 0.78-0.81 -> 0.84-0.90); 32 or 64 KiB, or L2 far and L1
+/// 2 KiB ahead, no better.
 [[nodiscard]] inline const FetchPolicy& fetch_policy() noexcept {
   static const FetchPolicy policy = cpu_is_intel() ? FetchPolicy{16384, true, true} : FetchPolicy{};
   return policy;
