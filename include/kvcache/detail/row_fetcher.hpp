@@ -22,6 +22,7 @@ struct FetchPolicy {
   bool float_values = false;       // ask for float V rows too, not only 16-bit ones
 };
 
+/// Whether CPUID names the vendor GenuineIntel (false off x86 or without GCC/Clang).
 [[nodiscard]] inline bool cpu_is_intel() noexcept {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -54,14 +55,13 @@ class RowFetcher {
  public:
   RowFetcher() noexcept = default;
   /// Rows of `row_bytes` from `rows`, `stride` bytes apart, of which the first `end` exist.
-  RowFetcher(const void* rows, std::size_t stride, std::size_t row_bytes, std::size_t end,
-             const FetchPolicy& policy = fetch_policy()) noexcept
+  RowFetcher(const void* rows, std::size_t stride, std::size_t row_bytes, std::size_t end) noexcept
       : rows_(static_cast<const char*>(rows)),
         stride_(stride),
         row_bytes_(row_bytes),
-        ahead_(std::max<std::size_t>(policy.ahead_bytes / std::max<std::size_t>(row_bytes, 1), 1)),
+        ahead_(std::max<std::size_t>(fetch_policy().ahead_bytes / std::max<std::size_t>(row_bytes, 1), 1)),
         end_(end),
-        into_l2_(policy.into_l2) {}
+        into_l2_(fetch_policy().into_l2) {}
 
   /// Row j is being read.
   KVCACHE_ALWAYS_INLINE void operator()(std::size_t j) const noexcept {
