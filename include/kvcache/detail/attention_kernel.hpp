@@ -232,11 +232,14 @@ class AttentionKernel {
   static constexpr std::size_t kTileBytes = 524288;
   static constexpr std::size_t kMaxTileKeys = 1024;
   static constexpr std::size_t kW = kVector<Acc>;  // keys scored at once
-  // Four query rows scored together hold 16 accumulators, a query register per row and read of
-  // a key, and the key's registers: only AVX-512's 32 registers have room (16 would spill).
-  static constexpr bool kScoresFour = kVectorBytes == 64 && kW % 4 == 0;
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
+  // Four query rows scored together hold W accumulators, a query register per row and read of a
+  // key, and the key's registers. AVX-512's 32 registers hold them for every type; AVX2's 16 for
+  // float and half (8 + 5), not for bf16 (a read is two registers: 18). Float at four query rows
+  // per kv head under AVX2, one core: 0.40-0.45 -> 0.46-0.51 of the plain read (2-core AMD EPYC).
+  static constexpr bool kScoresFour =
+      kVectorBytes >= 32 && kW % 4 == 0 && kW + 5 * RowReader<Stored, Acc>::kSplit <= kRegisters;
   // The longest V row that `rows` (4 or 2) rows of accumulators hold in registers at once.
   static constexpr std::size_t whole_row(std::size_t rows) noexcept {
     return rows == 4 ? kBlockRegisters<4, Stored, Acc> * kW : kBlockRegisters<2, Stored, Acc> * kW;
@@ -528,17 +531,20 @@ class AttentionKernel {
   /// registers reads the keys one whole row after another (score_in_order): every load then
   /// moves by one row stride, which the hardware prefetcher follows (float from memory ran
   /// 10-15% faster than W keys at a time, a register of each, whose loads jump between rows).
-  /// More rows read kVector / R keys at a time: in order, two rows ran no faster in float and
+  /// Under AVX2 it does so even where the query takes all 16 registers (D = 128) and is read
+  /// from L1 instead: with V's whole rows in registers too (kBlockRegisters), one query row
+  /// per kv head read 0.8-0.9 of the plain read from memory instead of 0.5-0.7 (2-core AMD
+  /// EPYC). More rows read kVector / R keys at a time: in order, two rows ran no faster in float and
   /// slower in bf16, and four rows, whose queries do not fit in registers, ran slower. Their
   /// loop over a row is unrolled where a call reads at most kMaxFixedKeys rows (the loads of
   /// more unrolled rows are more than the hardware prefetcher tracks) and a row is at most 16
   /// reads (past that, at narrow vector widths, unrolling gained nothing, only code to
-  /// compile). All measured on an AVX-512 AMD EPYC.
+  /// compile). Measured on an AVX-512 AMD EPYC where not said otherwise.
   template <std::size_t R, std::size_t Dim>
   void score_fixed(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                    const RowFetcher& fetch) const noexcept {
     constexpr std::size_t kRead = RowReader<Stored, Acc>::kSplit * kW;
-    if constexpr (R == 1 && Dim % kRead == 0 && Dim / kW <= kAccumulators) {
+    if constexpr (R == 1 && Dim % kRead == 0 && Dim / kW <= (kVectorBytes == 32 ? kRegisters : kAccumulators)) {
       score_in_order<Dim>(w.queries.data() + w.readers[i] * dim_, keys, stride, count,
                           w.scores.get() + w.readers[i] * tile_, fetch);
     } else if constexpr (kW / R <= kMaxFixedKeys && Dim % kRead == 0 && Dim / kRead <= 16) {

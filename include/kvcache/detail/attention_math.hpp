@@ -47,9 +47,12 @@ inline constexpr std::size_t kVectorBytes = 16;
 template <class Acc>
 inline constexpr std::size_t kVector = kVectorBytes / sizeof(Acc);
 
+/// Vector registers: AVX-512 has 32, SSE2 and AVX2 have 16.
+inline constexpr std::size_t kRegisters = kVectorBytes == 64 ? 32 : 16;
+
 /// Vector registers of accumulators a loop may hold without spilling, with room left for its
-/// operands: AVX-512 has 32 registers, SSE2 and AVX2 have 16.
-inline constexpr std::size_t kAccumulators = kVectorBytes == 64 ? 16 : 8;
+/// operands.
+inline constexpr std::size_t kAccumulators = kRegisters / 2;
 
 /// A vector register as an array with element-wise operators: what Vector is where GCC/Clang
 /// vector extensions are missing (the same results, left to the optimizer), and what the tests
@@ -532,10 +535,13 @@ inline void accumulate_rows(Acc* const (&acc)[R], const Acc* const (&w)[R], cons
 }
 
 /// The registers of accumulators per row that R rows may hold at once: a power of two, and a
-/// whole number of reads of T.
+/// whole number of reads of T. One row under AVX2 takes all 16 registers, a whole row at D = 128,
+/// its operands read from memory: read in two halves, the second from cache, one float query row
+/// per kv head read 0.5-0.6 of the plain read from memory, a whole row 0.8-0.9 (2-core AMD EPYC,
+/// with the K rows read in order too, see score_fixed).
 template <std::size_t R, class T, class Acc>
-inline constexpr std::size_t kBlockRegisters = std::max<std::size_t>(std::bit_floor(kAccumulators / R),
-                                                                     RowReader<T, Acc>::kSplit);
+inline constexpr std::size_t kBlockRegisters = std::max<std::size_t>(
+    std::bit_floor((R == 1 && kVectorBytes == 32 ? kRegisters : kAccumulators) / R), RowReader<T, Acc>::kSplit);
 
 /// v with the two halves of every block of 2H lanes swapped.
 template <std::size_t H, class V, std::size_t... L>
