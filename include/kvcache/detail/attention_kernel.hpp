@@ -240,9 +240,10 @@ class AttentionKernel {
   // per kv head under AVX2, one core: 0.40-0.45 -> 0.46-0.51 of the plain read (2-core AMD EPYC).
   static constexpr bool kScoresFour =
       kVectorBytes >= 32 && kW % 4 == 0 && kW + 5 * RowReader<Stored, Acc>::kSplit <= kRegisters;
-  // The longest V row that `rows` (4 or 2) rows of accumulators hold in registers at once.
-  static constexpr std::size_t whole_row(std::size_t rows) noexcept {
-    return rows == 4 ? kBlockRegisters<4, Stored, Acc> * kW : kBlockRegisters<2, Stored, Acc> * kW;
+  // The longest V row that R rows of accumulators hold in registers at once.
+  template <std::size_t R>
+  static constexpr std::size_t whole_row() noexcept {
+    return kBlockRegisters<R, Stored, Acc> * kW;
   }
 
   /// Row r of a block is query first_query + r / G of query head kv_head * G + r % G.
@@ -483,23 +484,28 @@ class AttentionKernel {
   /// rows as keep a whole V row in registers (whole_row), or, where two do and four do not,
   /// f(TwoAndHalves{}, i) for four (at H_q = 4 H_kv, D = 128, one core read float 0.02 and
   /// bf16 0.03 closer to the plain read on average than with two rows of whole rows and two more
-  /// from cache; AVX-512 AMD EPYC). The rest read the tile from cache four rows at a time, then
-  /// two, then one.
+  /// from cache; AVX-512 AMD EPYC). Under AVX2, where only one row keeps a whole row (D = 128),
+  /// that one row (float at four query rows per kv head, one core: 0.41-0.46 -> 0.53-0.58 of the
+  /// plain read, against four rows over a quarter of each row at a time; 2-core AMD EPYC). The
+  /// rest read the tile from cache four rows at a time, then two, then one.
   template <class F>
   void for_each_value_group(std::size_t n, const F& f) const {
     using Four = std::integral_constant<std::size_t, 4>;
     using Two = std::integral_constant<std::size_t, 2>;
     using One = std::integral_constant<std::size_t, 1>;
     std::size_t i = 0;
-    if (n >= 4 && dim_ <= whole_row(4)) {
+    if (n >= 4 && dim_ <= whole_row<4>()) {
       f(Four{}, i);
       i += 4;
-    } else if (kTwoAndHalves && n >= 4 && dim_ == whole_row(2)) {
+    } else if (kTwoAndHalves && n >= 4 && dim_ == whole_row<2>()) {
       f(TwoAndHalves{}, i);
       i += 4;
-    } else if (n >= 2 && dim_ <= whole_row(2)) {
+    } else if (n >= 2 && dim_ <= whole_row<2>()) {
       f(Two{}, i);
       i += 2;
+    } else if (kVectorBytes == 32 && n >= 2 && dim_ <= whole_row<1>()) {
+      f(One{}, i);
+      i += 1;
     }
     for (; i + 4 <= n; i += 4) f(Four{}, i);
     for (; i + 2 <= n; i += 2) f(Two{}, i);
@@ -584,7 +590,7 @@ class AttentionKernel {
     accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_, fetch);
   }
 
-  /// The same for active rows [i, i + 4) as TwoAndHalves (dim_ == whole_row(2)).
+  /// The same for active rows [i, i + 4) as TwoAndHalves (dim_ == whole_row<2>()).
   template <class Fetch>
   void accumulate(TwoAndHalves, Workspace& w, std::size_t i, const Stored* values, std::size_t stride,
                   std::size_t count, const Fetch& fetch) const noexcept {
