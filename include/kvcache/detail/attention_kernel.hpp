@@ -237,7 +237,8 @@ class AttentionKernel {
   // Four query rows scored together hold W accumulators, a query register per row and read of a
   // key, and the key's registers. AVX-512's 32 registers hold them for every type; AVX2's 16 for
   // float and half (8 + 5), not for bf16 (a read is two registers: 18). Float at four query rows
-  // per kv head under AVX2, one core: 0.40-0.45 -> 0.46-0.51 of the plain read (2-core AMD EPYC).
+  // per kv head under AVX2, one core, S = 32,768: 0.45 -> 0.51 of the plain read against two
+  // pairs of rows (one interleaved run, 2-core AMD EPYC).
   static constexpr bool kScoresFour =
       kVectorBytes >= 32 && kW % 4 == 0 && kW + 5 * RowReader<Stored, Acc>::kSplit <= kRegisters;
   // The longest V row that R rows of accumulators hold in registers at once.
@@ -485,9 +486,9 @@ class AttentionKernel {
   /// f(TwoAndHalves{}, i) for four (at H_q = 4 H_kv, D = 128, one core read float 0.02 and
   /// bf16 0.03 closer to the plain read on average than with two rows of whole rows and two more
   /// from cache; AVX-512 AMD EPYC). Under AVX2, where only one row keeps a whole row (D = 128),
-  /// that one row (float at four query rows per kv head, one core: 0.41-0.46 -> 0.53-0.58 of the
-  /// plain read, against four rows over a quarter of each row at a time; 2-core AMD EPYC). The
-  /// rest read the tile from cache four rows at a time, then two, then one.
+  /// that one row (float at four query rows per kv head, one core, S = 32,768: 0.38-0.46 ->
+  /// 0.52-0.58 of the plain read, against four rows over a quarter of each row at a time; 2-core
+  /// AMD EPYC). The rest read the tile from cache four rows at a time, then two, then one.
   template <class F>
   void for_each_value_group(std::size_t n, const F& f) const {
     using Four = std::integral_constant<std::size_t, 4>;
@@ -539,13 +540,14 @@ class AttentionKernel {
   /// 10-15% faster than W keys at a time, a register of each, whose loads jump between rows).
   /// Under AVX2 it does so even where the query takes all 16 registers (D = 128) and is read
   /// from L1 instead: with V's whole rows in registers too (kBlockRegisters), one query row
-  /// per kv head read 0.8-0.9 of the plain read from memory instead of 0.5-0.7 (2-core AMD
-  /// EPYC). More rows read kVector / R keys at a time: in order, two rows ran no faster in float and
-  /// slower in bf16, and four rows, whose queries do not fit in registers, ran slower. Their
-  /// loop over a row is unrolled where a call reads at most kMaxFixedKeys rows (the loads of
-  /// more unrolled rows are more than the hardware prefetcher tracks) and a row is at most 16
-  /// reads (past that, at narrow vector widths, unrolling gained nothing, only code to
-  /// compile). Measured on an AVX-512 AMD EPYC where not said otherwise.
+  /// per kv head read 0.77-0.91 of the plain read from memory instead of 0.43-0.78 (2-core AMD
+  /// EPYC, float, bf16 and half, one and two cores; two rows in order there read no faster from
+  /// memory and slower in cache). More rows read kVector / R keys at a time: in order, two rows
+  /// ran no faster in float and slower in bf16, and four rows, whose queries do not fit in
+  /// registers, ran slower. Their loop over a row is unrolled where a call reads at most
+  /// kMaxFixedKeys rows (the loads of more unrolled rows are more than the hardware prefetcher
+  /// tracks) and a row is at most 16 reads (past that, at narrow vector widths, unrolling gained
+  /// nothing, only code to compile). Measured on an AVX-512 AMD EPYC where not said otherwise.
   template <std::size_t R, std::size_t Dim>
   void score_fixed(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                    const RowFetcher& fetch) const noexcept {

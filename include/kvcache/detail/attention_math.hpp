@@ -537,8 +537,8 @@ inline void accumulate_rows(Acc* const (&acc)[R], const Acc* const (&w)[R], cons
 /// The registers of accumulators per row that R rows may hold at once: a power of two, and a
 /// whole number of reads of T. One row under AVX2 takes all 16 registers, a whole row at D = 128,
 /// its operands read from memory: read in two halves, the second from cache, one float query row
-/// per kv head read 0.5-0.6 of the plain read from memory, a whole row 0.8-0.9 (2-core AMD EPYC,
-/// with the K rows read in order too, see score_fixed).
+/// per kv head read 0.43-0.52 of the plain read from memory, a whole row 0.82-0.91 (2-core AMD
+/// EPYC, with the K rows read in order too, see score_fixed).
 template <std::size_t R, class T, class Acc>
 inline constexpr std::size_t kBlockRegisters = std::max<std::size_t>(
     std::bit_floor((R == 1 && kVectorBytes == 32 ? kRegisters : kAccumulators) / R), RowReader<T, Acc>::kSplit);
