@@ -683,6 +683,35 @@ TEST(AttentionMath, FoldHalvesLeavesTheTotalInLaneZero) {
   EXPECT_EQ(sum[0], 0.0F + 1 + 2 + 3 + 4 + 40 + 6 + 7);
 }
 
+#if KVCACHE_VECTOR_EXP
+// Weights come out of the lane-wise exp for whole registers and the scalar one for a row's tail:
+// both within 2 ulp of e^x, and 0 (never a NaN) below -87 and for a masked score.
+TEST(AttentionMath, LaneWiseExpMatchesTheScalarOne) {
+  constexpr std::size_t W = detail::kVector<float>;
+  std::vector<float> xs = {0.0F,   -0.0F,   -1e-30F, -86.9F,
+                           -87.0F, -87.01F, -1e4F,   -std::numeric_limits<float>::infinity()};
+  for (int i = 0; i <= 200000; ++i) xs.push_back(-90.0F * static_cast<float>(i) / 200000.0F);
+  while (xs.size() % W != 0) xs.push_back(-1.5F);
+  for (std::size_t first = 0; first < xs.size(); first += W) {
+    const auto lanes = detail::exp_nonpositive(detail::load_vector<detail::Vector<float>>(xs.data() + first));
+    for (std::size_t l = 0; l < W; ++l) {
+      const float x = xs[first + l];
+      const float scalar = detail::exp_nonpositive(x);
+      if (x < -87.0F) {
+        EXPECT_EQ(lanes[l], 0.0F) << "x " << x;
+        EXPECT_EQ(scalar, 0.0F) << "x " << x;
+        continue;
+      }
+      const double want = std::exp(static_cast<double>(x));
+      const double ulp =
+          std::nextafter(static_cast<float>(want), std::numeric_limits<float>::infinity()) - static_cast<float>(want);
+      EXPECT_LE(std::abs(lanes[l] - want), 2 * ulp) << "x " << x;
+      EXPECT_LE(std::abs(scalar - want), 2 * ulp) << "x " << x;
+    }
+  }
+}
+#endif
+
 #if KVCACHE_VECTOR_EXTENSIONS
 // Half rows widened by integer operations, where no instruction converts them: every one of the
 // 65,536 bit patterns gives Eigen's float, bit for bit (a NaN for a NaN, with its sign).

@@ -626,14 +626,16 @@ class AttentionKernel {
     return true;
   }
 
-  /// scores[j] = e^(scores[j] - max) for j < n: a loop that vectorizes, whole registers when n
-  /// is kW (as the pass that weighs while it reads asks for).
+  /// scores[j] = e^(scores[j] - max) for j < n: whole registers by the lane-wise exp, the tail
+  /// by the scalar one.
   KVCACHE_ALWAYS_INLINE static void weigh(Acc* scores, std::size_t n, Acc max) noexcept {
-    if (n == kW) {
-      for (std::size_t j = 0; j < kW; ++j) scores[j] = exp_nonpositive(scores[j] - max);
-    } else {
-      for (std::size_t j = 0; j < n; ++j) scores[j] = exp_nonpositive(scores[j] - max);
+    std::size_t j = 0;
+    if constexpr (KVCACHE_VECTOR_EXP && std::is_same_v<Acc, float>) {
+      for (; j + kW <= n; j += kW) {
+        store_vector(scores + j, exp_nonpositive(load_vector<Vector<Acc>>(scores + j) - splat(max)));
+      }
     }
+    for (; j < n; ++j) scores[j] = exp_nonpositive(scores[j] - max);
   }
 
   TensorView<const Q> q_;

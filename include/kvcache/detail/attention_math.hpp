@@ -635,4 +635,33 @@ inline float exp_nonpositive(float x) noexcept {
 
 inline double exp_nonpositive(double x) noexcept { return x == -HUGE_VAL ? 0.0 : std::exp(x); }
 
+#if KVCACHE_VECTOR_EXTENSIONS && !defined(__FAST_MATH__)
+#define KVCACHE_VECTOR_EXP 1
+/// exp_nonpositive lane by lane, by the same steps: the scalar one is left as a loop of scalar
+/// operations and a branch per value (GCC 12 does not vectorize its selects), which in a decode
+/// at four query rows per kv head took a fifth of the time with the history in cache (bf16,
+/// AVX2 AMD EPYC).
+inline Vector<float> exp_nonpositive(const Vector<float>& x) noexcept {
+  using V = Vector<float>;
+  using Bits = Vector<std::uint32_t>;
+  const V floor = splat(-87.0F);
+  const V xc = x < floor ? floor : x;
+  const V shifted = xc * 1.44269504088896341F + 12582912.0F;
+  const V r = shifted - 12582912.0F;
+  const V f = (xc - r * 0.693359375F) + r * 2.12194440e-4F;
+  V p = splat(1.9875691500e-4F);
+  p = p * f + 1.3981999507e-3F;
+  p = p * f + 8.3334519073e-3F;
+  p = p * f + 4.1665795894e-2F;
+  p = p * f + 1.6666665459e-1F;
+  p = p * f + 5.0000001201e-1F;
+  const V e = p * f * f + f + 1.0F;
+  const V two_i = std::bit_cast<V>((std::bit_cast<Bits>(shifted) + (127U - 0x400000U)) << 23);
+  const V keep = x < floor ? splat(0.0F) : splat(1.0F);
+  return e * two_i * keep;
+}
+#else
+#define KVCACHE_VECTOR_EXP 0
+#endif
+
 }  // namespace kvcache::detail
