@@ -441,7 +441,8 @@ def table_prefill(attention):
         lines.append(f"| {bare_name(e)} | {e['flops_per_second'] / 1e9:.1f} | {e['vs_multiply_add_peak']:.2f} |")
     lines.append("")
     lines.append("4 D flops per visible query-key pair and query head; `vs_multiply_add_peak`: the median attention "
-                 "call's flop rate over that of 16 independent multiply-add chains, timed in turn on every iteration.")
+                 "call's flop rate over that of independent multiply-add chains (as many as the registers hold, up to 16), "
+                 "timed in turn on every iteration.")
     return "\n".join(lines)
 
 
