@@ -245,7 +245,7 @@ void BM_DecodeAttention(benchmark::State& state) {
 /// Seconds for `rounds` rounds of independent multiply-add chains on registers of the kernel's
 /// vector width: what one core's multiply-add units do flat out. Returns the flops done too.
 /// Chains and operands fit in the registers: 16 chains and their two operands under AVX2's 16
-/// registers kept some chains on the stack and ran 54.6 Gflop/s instead of 87-90 (AMD EPYC).
+/// registers kept some chains on the stack and ran 54.6 Gflop/s instead of 87-95 (AMD EPYC).
 std::pair<double, double> multiply_add_peak(std::size_t rounds) {
   using V = kvcache::detail::Vector<float>;
   constexpr std::size_t kChains = std::min<std::size_t>(16, kvcache::detail::kRegisters - 4);
