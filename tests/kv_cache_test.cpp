@@ -1,10 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
-// What distinguishes the dense caches: KvCache never moves its storage, ConcatKvCache does.
+// What distinguishes the dense caches: KvCache never moves its storage, ConcatKvCache does;
+// and the storage the preallocating caches hold asks for huge pages once it is large.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <stdexcept>
+#include <string>
 
 #include "cache_test_support.hpp"
 #include "kvcache/size.hpp"
@@ -37,6 +43,56 @@ TEST(KvCache, StorageIsAlignedAndNeverMovesDuringAGeneration) {
     }
   }
   EXPECT_EQ(cache.bytes(), bytes);
+}
+
+/// The VmFlags of the mapping that holds `address`, from /proc/self/smaps ("" if none does).
+std::string mapping_flags(const void* address) {
+  const auto a = reinterpret_cast<std::uintptr_t>(address);
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    std::uintptr_t begin = 0;
+    std::uintptr_t end = 0;
+    char dash = 0;
+    std::istringstream range(line);
+    if (range >> std::hex >> begin >> dash >> end && dash == '-' && line.find(':') > line.find(' ')) {
+      inside = begin <= a && a < end;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+/// The first huge-page boundary at or after `p`.
+const void* first_huge_page(const void* p) {
+  constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
+  return reinterpret_cast<const void*>((reinterpret_cast<std::uintptr_t>(p) + kHuge - 1) / kHuge * kHuge);
+}
+
+TEST(HugePages, LargeStorageOfKvCacheAndRingKvCacheIsAdvised) {
+#if !defined(__linux__)
+  GTEST_SKIP() << "Transparent huge pages are asked for on Linux only.";
+#else
+  if (!std::filesystem::exists("/sys/kernel/mm/transparent_hugepage/enabled")) {
+    GTEST_SKIP() << "This kernel has no transparent huge pages to ask for.";
+  }
+  // 8 MiB of K and as much of V: the whole huge pages inside each are advised ("hg").
+  KvCache<float> dense({.layers = 2, .kv_heads = 4, .head_dim = 64, .capacity = 4096});
+  RingKvCache<float> ring({.layers = 1, .kv_heads = 8, .head_dim = 64, .window = 4096});
+  const Block<float> token({1, 4, 1, 64}, 1);
+  const Block<float> ring_token({1, 8, 1, 64}, 2);
+  const auto dense_history = dense.update(1, token.view(), token.view(), arange(0, 1));
+  const auto ring_history = ring.update(0, ring_token.view(), ring_token.view(), arange(0, 1));
+  for (const auto* segment : {&dense_history.segments[0], &ring_history.segments[0]}) {
+    for (const void* data :
+         {static_cast<const void*>(segment->keys.data()), static_cast<const void*>(segment->values.data())}) {
+      const std::string flags = mapping_flags(first_huge_page(data));
+      EXPECT_THAT(flags, ::testing::HasSubstr(" hg")) << "storage at " << data;
+    }
+  }
+#endif
 }
 
 TEST(KvCache, BytesAreTheFullCapacityFromTheStart) {
