@@ -71,7 +71,7 @@ const void* first_huge_page(const void* p) {
   return reinterpret_cast<const void*>((reinterpret_cast<std::uintptr_t>(p) + kHuge - 1) / kHuge * kHuge);
 }
 
-TEST(HugePages, LargeStorageOfKvCacheAndRingKvCacheIsAdvised) {
+TEST(HugePages, KvCacheAndRingStorageAsksForHugePagesConcatDoesNot) {
 #if !defined(__linux__)
   GTEST_SKIP() << "Transparent huge pages are asked for on Linux only.";
 #else
@@ -92,6 +92,13 @@ TEST(HugePages, LargeStorageOfKvCacheAndRingKvCacheIsAdvised) {
       EXPECT_THAT(flags, ::testing::HasSubstr(" hg")) << "storage at " << data;
     }
   }
+  // The baseline keeps the pages a framework's allocator gives a concatenation.
+  ConcatKvCache<float> concat({.layers = 1, .kv_heads = 4, .head_dim = 64, .capacity = 8192});
+  const Block<float> prompt({1, 4, 4096, 64}, 3);
+  const auto concat_history = concat.update(0, prompt.view(), prompt.view(), arange(0, 4096));
+  const std::string flags = mapping_flags(first_huge_page(concat_history.segments[0].keys.data()));
+  EXPECT_THAT(flags, ::testing::StartsWith("VmFlags:"));
+  EXPECT_THAT(flags, ::testing::Not(::testing::HasSubstr(" hg")));
 #endif
 }
 

@@ -43,7 +43,9 @@ class ConcatKvCache : public detail::CacheBase {
     const std::size_t length = check_update(layer, k, v, positions, capacity_);
     Layer& old = layers_[layer];
     const std::size_t total = length + k.tokens();
-    Layer grown{detail::AlignedBuffer<T>(elements(total), false), detail::AlignedBuffer<T>(elements(total), false),
+    // Plain pages, as a framework's allocator gives a concatenation (this is the baseline).
+    constexpr detail::BufferOptions kPlain{.zero_fill = false, .huge_pages = false};
+    Layer grown{detail::AlignedBuffer<T>(elements(total), kPlain), detail::AlignedBuffer<T>(elements(total), kPlain),
                 std::vector<std::int64_t>(total), total};
     // The allocations above are the only steps that can throw; from here on nothing does.
     detail::copy_block(view(old.keys, old.tokens).tokens(0, length), view(grown.keys, total).tokens(0, length));

@@ -143,7 +143,10 @@ class RingKvCache : public detail::CacheBase {
   struct Staging {
     Staging() = default;
     Staging(std::size_t elements, std::size_t count)
-        : keys(elements, false), values(elements, false), positions(count), tokens(count) {}
+        : keys(elements, {.zero_fill = false}),
+          values(elements, {.zero_fill = false}),
+          positions(count),
+          tokens(count) {}
     detail::AlignedBuffer<T> keys;
     detail::AlignedBuffer<T> values;
     std::vector<std::int64_t> positions;

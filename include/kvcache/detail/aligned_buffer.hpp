@@ -37,13 +37,19 @@ inline void advise_huge_pages([[maybe_unused]] void* data, [[maybe_unused]] std:
 #endif
 }
 
-/// Cache-line aligned storage of `size` trivially copyable elements, zero-filled unless asked not to.
+/// How an AlignedBuffer prepares its storage.
+struct BufferOptions {
+  bool zero_fill = true;
+  /// Storage of a huge page or more starts on a huge-page boundary and asks for transparent huge
+  /// pages (advise_huge_pages): a decode step reads the whole cache, and with 4 KiB pages every
+  /// 4 KiB of it costs a TLB miss (plain read of 64-128 MiB, one core: 9-13 -> 12-16 GB/s;
+  /// decode at H_q = H_kv, S = 32,768: 8.7-11.6 -> 11.1-14.5; 2-core AMD EPYC, Linux set to
+  /// huge pages on request only). ConcatKvCache, the baseline, keeps the system's pages.
+  bool huge_pages = true;
+};
+
+/// Cache-line aligned storage of `size` trivially copyable elements, prepared as `options` say.
 /// Fixed size: it never reallocates, so pointers into it stay valid for its lifetime.
-///
-/// Storage of a huge page or more starts on a huge-page boundary and asks for transparent huge
-/// pages (advise_huge_pages): a decode step reads the whole cache, and with 4 KiB pages each
-/// one costs a TLB miss (decode at H_q = H_kv, one core, S = 32,768: 9.5-11.4 -> 11.7-14.5
-/// GB/s; 2-core AMD EPYC, Linux set to huge pages on request only).
 template <class T>
 class AlignedBuffer {
   static_assert(std::is_trivially_copyable_v<T>, "kvcache stores elements with memcpy: T must be trivially copyable.");
@@ -52,11 +58,11 @@ class AlignedBuffer {
   static constexpr std::size_t alignment = 64;
 
   AlignedBuffer() = default;
-  explicit AlignedBuffer(std::size_t size, bool zero_fill = true)
-      : data_(allocate(size), Free{alignment_for(size)}), size_(size) {
+  explicit AlignedBuffer(std::size_t size, BufferOptions options = {})
+      : data_(allocate(size, options), Free{alignment_for(size, options)}), size_(size) {
     if (size_ == 0) return;
-    if (alignment_for(size_) == kHugePageBytes) advise_huge_pages(data_.get(), bytes());
-    if (zero_fill) std::memset(static_cast<void*>(data_.get()), 0, bytes());
+    if (alignment_for(size_, options) == kHugePageBytes) advise_huge_pages(data_.get(), bytes());
+    if (options.zero_fill) std::memset(static_cast<void*>(data_.get()), 0, bytes());
   }
 
   // A moved-from buffer is empty (size 0), so bytes() of a moved-from cache counts nothing.
@@ -73,12 +79,12 @@ class AlignedBuffer {
   [[nodiscard]] std::size_t bytes() const noexcept { return size_ * sizeof(T); }
 
  private:
-  static std::size_t alignment_for(std::size_t size) noexcept {
-    return size * sizeof(T) >= kHugePageBytes ? kHugePageBytes : alignment;
+  static std::size_t alignment_for(std::size_t size, BufferOptions options) noexcept {
+    return options.huge_pages && size * sizeof(T) >= kHugePageBytes ? kHugePageBytes : alignment;
   }
-  static T* allocate(std::size_t size) {
+  static T* allocate(std::size_t size, BufferOptions options) {
     if (size == 0) return nullptr;
-    return static_cast<T*>(::operator new (size * sizeof(T), std::align_val_t{alignment_for(size)}));
+    return static_cast<T*>(::operator new (size * sizeof(T), std::align_val_t{alignment_for(size, options)}));
   }
   struct Free {
     std::size_t alignment = AlignedBuffer::alignment;  // what the storage was allocated with
