@@ -15,6 +15,8 @@
 //   prefill_chunk/... a 512-token chunk written through update() next to memcpy of its bytes.
 //   token_flat/...    a single-token update at history 64 next to one at history 32k.
 //   ring_decode/...   RingKvCache per-token cost at positions 1k to 64k, and its bytes.
+//   storage/...       cache storage on huge pages against the system's pages: allocating and
+//                     zeroing it, and reading it.
 //
 // KVCACHE_BENCH_SMOKE=1 registers only tiny shapes, so CI can run every path in seconds.
 
@@ -40,6 +42,7 @@
 // The cache headers alone: this program measures caches, not attention.
 #include "kvcache/concat_kv_cache.hpp"
 #include "kvcache/config.hpp"
+#include "kvcache/detail/aligned_buffer.hpp"
 #include "kvcache/kv_cache.hpp"
 #include "kvcache/ring_kv_cache.hpp"
 #include "kvcache/size.hpp"
@@ -405,6 +408,54 @@ void ring_decode(benchmark::State& state, Model model, std::size_t window, std::
 }
 
 // ---------------------------------------------------------------------------------------------
+// 4. The storage's pages: huge pages against the system's.
+
+/// Storage of `bytes` as the preallocating caches hold it (AlignedBuffer: on huge pages where it
+/// spans one) next to the same storage on the system's pages (as ConcatKvCache holds it): each
+/// allocated and zeroed, then read once, the two kinds interleaved iteration by iteration and
+/// in alternating order. `allocate_plain_over_huge` is the ratio of their allocation times,
+/// `read_huge_over_plain` of their read rates (medians).
+void storage(benchmark::State& state, std::size_t bytes) {
+  using Buffer = kvcache::detail::AlignedBuffer<float>;
+  const std::size_t count = bytes / sizeof(float);
+  std::vector<double> allocate[2];
+  std::vector<double> read[2];
+  const auto run = [&](bool huge) {
+    const auto start = Clock::now();
+    const Buffer buffer(count, {.zero_fill = true, .huge_pages = huge});
+    benchmark::DoNotOptimize(buffer.data());
+    allocate[huge ? 1 : 0].push_back(seconds_since(start));
+    const auto read_start = Clock::now();
+    float lanes[16] = {};
+    for (std::size_t i = 0; i + 16 <= count; i += 16) {
+      for (std::size_t l = 0; l < 16; ++l) lanes[l] += buffer.data()[i + l];
+    }
+    benchmark::DoNotOptimize(lanes);
+    const double seconds = seconds_since(read_start);
+    read[huge ? 1 : 0].push_back(seconds);
+    return seconds_since(start);
+  };
+  bool huge_first = true;
+  for (auto _ : state) {
+    const double first = run(huge_first);
+    const double second = run(!huge_first);
+    huge_first = !huge_first;
+    state.SetIterationTime(first + second);
+  }
+  const auto median = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  state.counters["bytes"] = static_cast<double>(bytes);
+  state.counters["allocate_ms_plain"] = median(allocate[0]) * 1e3;
+  state.counters["allocate_ms_huge"] = median(allocate[1]) * 1e3;
+  state.counters["allocate_plain_over_huge"] = median(allocate[0]) / median(allocate[1]);
+  state.counters["read_gb_per_s_plain"] = static_cast<double>(bytes) / median(read[0]) / 1e9;
+  state.counters["read_gb_per_s_huge"] = static_cast<double>(bytes) / median(read[1]) / 1e9;
+  state.counters["read_huge_over_plain"] = median(read[0]) / median(read[1]);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Registration.
 
 struct Plan {
@@ -427,6 +478,10 @@ struct Plan {
   std::size_t ring_sinks = 0;
   std::vector<std::size_t> ring_at;
   std::size_t ring_block = 0;
+  std::size_t storage_bytes = 0;
+  // The first allocations of huge pages may wait for the kernel to compact memory (here 1 s
+  // instead of 0.1 for 448 MiB): later ones show the steady state.
+  double storage_min_time = 0;
 };
 
 Plan full_plan() {
@@ -445,7 +500,10 @@ Plan full_plan() {
           .ring_window = 4096,
           .ring_sinks = 4,
           .ring_at = {1024, 4096, 16384, 65536},
-          .ring_block = 64};
+          .ring_block = 64,
+          // The K (or V) storage of all 28 layers at 8,192 tokens in bf16: 448 MiB.
+          .storage_bytes = std::size_t{448} << 20,
+          .storage_min_time = 5};
 }
 
 Plan smoke_plan() {
@@ -462,7 +520,8 @@ Plan smoke_plan() {
           .ring_window = 16,
           .ring_sinks = 2,
           .ring_at = {8, 32, 128},
-          .ring_block = 4};
+          .ring_block = 4,
+          .storage_bytes = std::size_t{4} << 20};  // two huge pages: the huge path runs too
 }
 
 /// Bytes ConcatKvCache copies in one generation: the prompt, then the whole history per token.
@@ -513,6 +572,11 @@ void register_all(const Plan& plan) {
                                plan.ring_at, plan.ring_block)
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);
+  auto* pages = benchmark::RegisterBenchmark(("storage/bytes:" + std::to_string(plan.storage_bytes)).c_str(), storage,
+                                             plan.storage_bytes)
+                    ->UseManualTime()
+                    ->Unit(benchmark::kMillisecond);
+  if (plan.storage_min_time > 0) pages->MinTime(plan.storage_min_time);
 }
 
 }  // namespace
