@@ -25,17 +25,23 @@ namespace kvcache::detail {
 /// 4 KiB base pages).
 inline constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
 
-/// Asks the kernel to back the whole huge pages inside [data, data + bytes) with transparent
-/// huge pages, where it offers them (Linux, MADV_HUGEPAGE; elsewhere, or without KVCACHE_HUGE_PAGES,
-/// nothing). Only a hint: a kernel without them, or set to never use them, refuses or ignores it.
-inline void advise_huge_pages([[maybe_unused]] void* data, [[maybe_unused]] std::size_t bytes) noexcept {
+/// Whether large storage asks for huge pages: on Linux (MADV_HUGEPAGE), unless KVCACHE_HUGE_PAGES
+/// is 0. Elsewhere it is neither advised nor aligned to them.
 #if defined(__linux__) && defined(MADV_HUGEPAGE) && KVCACHE_HUGE_PAGES
+inline constexpr bool kAdvisesHugePages = true;
+
+/// Asks the kernel to back the whole huge pages inside [data, data + bytes) with transparent
+/// huge pages. Only a hint: a kernel without them, or set to never use them, refuses or ignores it.
+inline void advise_huge_pages(void* data, std::size_t bytes) noexcept {
   const auto begin = reinterpret_cast<std::uintptr_t>(data);
   const std::uintptr_t first = (begin + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
   const std::uintptr_t last = (begin + bytes) / kHugePageBytes * kHugePageBytes;
   if (first < last) (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#endif
 }
+#else
+inline constexpr bool kAdvisesHugePages = false;
+inline void advise_huge_pages(void* /*data*/, std::size_t /*bytes*/) noexcept {}
+#endif
 
 /// How an AlignedBuffer prepares its storage.
 struct BufferOptions {
@@ -80,7 +86,8 @@ class AlignedBuffer {
 
  private:
   static std::size_t alignment_for(std::size_t size, BufferOptions options) noexcept {
-    return options.huge_pages && size * sizeof(T) >= kHugePageBytes ? kHugePageBytes : alignment;
+    const bool huge = kAdvisesHugePages && options.huge_pages && size * sizeof(T) >= kHugePageBytes;
+    return huge ? kHugePageBytes : alignment;
   }
   static T* allocate(std::size_t size, BufferOptions options) {
     if (size == 0) return nullptr;
