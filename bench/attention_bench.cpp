@@ -15,7 +15,7 @@
 // one AMD EPYC core: with the read of the same bytes right after the attention call (which had
 // just read them) and the twin's next, the same bytes read 49-54 GB/s and the twin 35-38 (bf16,
 // 64 MiB); in this order both read 43-48. Each ReadBandwidth row sums a separate buffer of the
-// same size with the same thread count, timed apart.
+// same size, allocated as a cache's storage is, with the same thread count, timed apart.
 //
 // Each PrefillAttention row times a causal chunk of T queries after P cached tokens, which is
 // bound by arithmetic, not memory: `vs_multiply_add_peak` is its flop rate over that of a loop of
@@ -344,8 +344,10 @@ void BM_ReadBandwidth(benchmark::State& state) {
   const auto threads = static_cast<std::size_t>(state.range(1));
   const auto element = static_cast<std::size_t>(state.range(2));
   const std::size_t bytes = 2 * tokens * kKvHeads * kHeadDim * element;
-  std::vector<float> buffer(bytes / sizeof(float));
-  for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<float>(i % 7);
+  // Allocated as a cache's storage is (on huge pages where it spans one), so that the two read
+  // the same kind of memory.
+  kvcache::detail::AlignedBuffer<float> buffer(bytes / sizeof(float));
+  for (std::size_t i = 0; i < buffer.size(); ++i) buffer.data()[i] = static_cast<float>(i % 7);
   const std::vector<std::pair<const float*, std::size_t>> buffers{{buffer.data(), buffer.size()}};
   for (auto _ : state) benchmark::DoNotOptimize(read_all(buffers, threads));
   state.counters["bytes_per_second"] = benchmark::Counter(
