@@ -68,7 +68,7 @@ std::string mapping_flags(const void* address) {
 
 /// The first huge-page boundary at or after `p`.
 const void* first_huge_page(const void* p) {
-  constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
+  constexpr std::uintptr_t kHuge = detail::kHugePageBytes;
   return reinterpret_cast<const void*>((reinterpret_cast<std::uintptr_t>(p) + kHuge - 1) / kHuge * kHuge);
 }
 
