@@ -234,13 +234,12 @@ class AttentionKernel {
   static constexpr std::size_t kW = kVector<Acc>;  // keys scored at once
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
-  // Four query rows scored together hold W accumulators, a query register per row and read of a
-  // key, and the key's registers. AVX-512's 32 registers hold them for every type; AVX2's 16 for
-  // float and half (8 + 5), not for bf16 (a read is two registers: 18). Float at four query rows
-  // per kv head under AVX2, one core, S = 32,768: 0.45 -> 0.51 of the plain read against two
-  // pairs of rows (one interleaved run, 2-core AMD EPYC).
+  // Four query rows scored together, where their registers fit (kScoreRegisters): every type
+  // under AVX-512 and AVX2. Float at four query rows per kv head under AVX2, one core, S = 32,768:
+  // 0.45 -> 0.51 of the plain read against two pairs of rows (one interleaved run, 2-core AMD
+  // EPYC); bf16 see kHoldsKeys.
   static constexpr bool kScoresFour =
-      kVectorBytes >= 32 && kW % 4 == 0 && kW + 5 * RowReader<Stored, Acc>::kSplit <= kRegisters;
+      kVectorBytes >= 32 && kW % 4 == 0 && kScoreRegisters<4, Stored, Acc> <= kRegisters;
   // The longest V row that R rows of accumulators hold in registers at once.
   template <std::size_t R>
   static constexpr std::size_t whole_row() noexcept {
