@@ -365,8 +365,8 @@ KVCACHE_ALWAYS_INLINE inline void for_each_step(std::size_t dim, const F& f) noe
 /// registers) rather than every query row's read and one key's (W + R S + S): only where the
 /// latter does not fit. So four bf16 query rows share one K pass under AVX2 (13 registers, not
 /// 18) instead of two passes of two rows. In L1 both cost the same (45 cycles a key); from memory
-/// K is read once: one core, S = 16,384 and 32,768, 0.34-0.45 -> 0.45-0.57 of the plain read, two
-/// cores 0.42-0.50 -> 0.50-0.56 (six and three interleaved pairs of runs, AVX2 AMD EPYC).
+/// K is read once: one core, S = 16,384 and 32,768, 0.34-0.48 -> 0.45-0.57 of the plain read, two
+/// cores 0.42-0.53 -> 0.48-0.60 (ten and seven interleaved pairs of runs, AVX2 AMD EPYC).
 template <std::size_t R, class T, class Acc>
 inline constexpr bool kHoldsKeys = kVector<Acc> + (R + 1) * RowReader<T, Acc>::kSplit > kRegisters;
 
