@@ -361,12 +361,13 @@ KVCACHE_ALWAYS_INLINE inline void for_each_step(std::size_t dim, const F& f) noe
   }
 }
 
-/// Whether score_keys<R> holds every key's read and one query register at a time (W + K S + 1
-/// registers) rather than every query row's read and one key's (W + R S + S): only where the
-/// latter does not fit. So four bf16 query rows share one K pass under AVX2 (13 registers, not
-/// 18) instead of two passes of two rows. In L1 both cost the same (45 cycles a key); from memory
-/// K is read once: one core, S = 16,384 and 32,768, 0.34-0.48 -> 0.45-0.57 of the plain read, two
-/// cores 0.42-0.53 -> 0.48-0.60 (ten and seven interleaved pairs of runs, AVX2 AMD EPYC).
+/// Whether score_keys<R> holds the read of every one of its K = W / R keys and one query register
+/// at a time (W accumulators + K S + 1 registers, a read being S registers) rather than every query
+/// row's read and one key's (W + R S + S): only where the latter does not fit. So four bf16 query
+/// rows share one K pass under AVX2 (13 registers, not 18) instead of two passes of two rows. In L1
+/// both cost the same (45 cycles a key); from memory K is read once: one core, S = 16,384 and
+/// 32,768, 0.34-0.48 -> 0.45-0.57 of the plain read, two cores 0.42-0.53 -> 0.48-0.60 (ten and
+/// seven interleaved pairs of runs, AVX2 AMD EPYC).
 template <std::size_t R, class T, class Acc>
 inline constexpr bool kHoldsKeys = kVector<Acc> + (R + 1) * RowReader<T, Acc>::kSplit > kRegisters;
 
