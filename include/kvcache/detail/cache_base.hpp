@@ -68,8 +68,8 @@ class CacheBase {
   /// Validates an update of `layer` against the geometry, its length and `capacity`; returns
   /// the layer's length (the first new position).
   template <class T>
-  std::size_t check_update(std::size_t layer, const TensorView<const T>& k, const TensorView<const T>& v,
-                           std::span<const std::int64_t> positions, std::size_t capacity) const {
+  [[nodiscard]] std::size_t check_update(std::size_t layer, const TensorView<const T>& k, const TensorView<const T>& v,
+                                         std::span<const std::int64_t> positions, std::size_t capacity) const {
     const std::size_t start = layer < geometry_.layers ? lengths_[layer] : 0;
     detail::check_update(name_, geometry_, layer, k, v, positions, start, capacity);
     return start;
