@@ -16,6 +16,8 @@
 // just read them) and the twin's next, the same bytes read 49-54 GB/s and the twin 35-38 (bf16,
 // 64 MiB); in this order both read 43-48. Each ReadBandwidth row sums a separate buffer of the
 // same size, allocated as a cache's storage is, with the same thread count, timed apart.
+// `vs_multiply_add_peak` (as for prefill below, with a shorter loop) is the call's flop rate over
+// this core's multiply-add peak: with `vs_read`, how far a call is from either limit.
 //
 // Each PrefillAttention row times a causal chunk of T queries after P cached tokens, which is
 // bound by arithmetic, not memory: `vs_multiply_add_peak` is its flop rate over that of a loop of
@@ -194,6 +196,27 @@ bool matches_reference(benchmark::State& state, double error) {
   return false;
 }
 
+/// Seconds for `rounds` rounds of independent multiply-add chains on registers of the kernel's
+/// vector width: what one core's multiply-add units do flat out. Returns the flops done too.
+/// Chains and operands fit in the registers: 16 chains and their two operands under AVX2's 16
+/// registers kept some chains on the stack and ran 54.6 Gflop/s instead of 87-95 (AMD EPYC).
+std::pair<double, double> multiply_add_peak(std::size_t rounds) {
+  using V = kvcache::detail::Vector<float>;
+  constexpr std::size_t kChains = std::min<std::size_t>(16, kvcache::detail::kRegisters - 4);
+  V chains[kChains];
+  volatile float seed = 1.0F;  // distinct starting values, so no two chains are merged
+  for (std::size_t c = 0; c < kChains; ++c) chains[c] = kvcache::detail::splat(seed + static_cast<float>(c));
+  const V x = kvcache::detail::splat(0.999999F);
+  const V y = kvcache::detail::splat(1e-7F);
+  const double seconds = time_call([&] {
+    for (std::size_t r = 0; r < rounds; ++r) {
+      for (V& c : chains) c = c * x + y;
+    }
+  });
+  for (const V& c : chains) benchmark::DoNotOptimize(c);
+  return {seconds, 2.0 * static_cast<double>(rounds * kChains * kvcache::detail::kVector<float>)};
+}
+
 /// Args: H_q, S, threads.
 template <class T>
 void BM_DecodeAttention(benchmark::State& state) {
@@ -216,7 +239,12 @@ void BM_DecodeAttention(benchmark::State& state) {
   std::vector<double> read_seconds;
   std::vector<double> twin_seconds;
   std::vector<double> attention_seconds;
+  std::vector<double> peak_seconds;
+  double peak_flops = 0;
   for (auto _ : state) {
+    const auto [peak_call, done] = multiply_add_peak(std::size_t{1} << 14);
+    peak_seconds.push_back(peak_call);
+    peak_flops = done;
     twin_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(twin_buffers, threads)); }));
     read_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(buffers, threads)); }));
     twin_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(twin_buffers, threads)); }));
@@ -240,27 +268,11 @@ void BM_DecodeAttention(benchmark::State& state) {
   state.counters["median_bytes_per_second"] = attention > 0 ? bytes / attention : 0.0;
   state.counters["vs_read"] = attention > 0 ? read / attention : 0.0;
   state.counters["vs_buffer"] = attention > 0 ? twin_read / attention : 0.0;
-}
-
-/// Seconds for `rounds` rounds of independent multiply-add chains on registers of the kernel's
-/// vector width: what one core's multiply-add units do flat out. Returns the flops done too.
-/// Chains and operands fit in the registers: 16 chains and their two operands under AVX2's 16
-/// registers kept some chains on the stack and ran 54.6 Gflop/s instead of 87-95 (AMD EPYC).
-std::pair<double, double> multiply_add_peak(std::size_t rounds) {
-  using V = kvcache::detail::Vector<float>;
-  constexpr std::size_t kChains = std::min<std::size_t>(16, kvcache::detail::kRegisters - 4);
-  V chains[kChains];
-  volatile float seed = 1.0F;  // distinct starting values, so no two chains are merged
-  for (std::size_t c = 0; c < kChains; ++c) chains[c] = kvcache::detail::splat(seed + static_cast<float>(c));
-  const V x = kvcache::detail::splat(0.999999F);
-  const V y = kvcache::detail::splat(1e-7F);
-  const double seconds = time_call([&] {
-    for (std::size_t r = 0; r < rounds; ++r) {
-      for (V& c : chains) c = c * x + y;
-    }
-  });
-  for (const V& c : chains) benchmark::DoNotOptimize(c);
-  return {seconds, 2.0 * static_cast<double>(rounds * kChains * kvcache::detail::kVector<float>)};
+  // Two multiply-adds (4 flops) per key, query head and value of a row: score and weighted sum.
+  const double flops = 4.0 * static_cast<double>(tokens * q_heads * kHeadDim);
+  const double peak = median(peak_seconds);
+  state.counters["vs_multiply_add_peak"] =
+      attention > 0 && peak > 0 ? (flops / attention) / (peak_flops / peak) / static_cast<double>(threads) : 0.0;
 }
 
 /// A chunk of T queries at positions P .. P + T - 1 over everything before them and themselves
