@@ -169,6 +169,10 @@ const std::vector<Case> kCases = {
     // One query row per kv head: keys read one whole row after another, a partial last register.
     {1, 2, 1, 128, 1, 777, {}, {100, 2}, 5, 0.0F},
     {1, 1, 1, 64, 3, 261, {50, 1}, {}, 0, 0.0F},
+    // Two query rows at D = 128 (one query of two heads a kv head, or two queries of one): under
+    // AVX2 the pass over V from memory keeps both rows' sums in L1.
+    {1, 2, 2, 128, 1, 1500, {}, {300, 2}, 3, 0.0F},
+    {1, 1, 1, 128, 2, 600, {100, 0}, {}, 0, 0.0F},
     // Head dims that are not a whole number of vector registers at any width: the tails.
     {1, 2, 2, 40, 3, 150, {}, {}, 0, 0.0F},
     {1, 1, 4, 7, 1, 90, {}, {20, 2}, 3, 0.0F},

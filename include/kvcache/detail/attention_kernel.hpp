@@ -467,6 +467,11 @@ class AttentionKernel {
   /// Four rows whose first pass over V gives two of them whole rows and the other two first
   /// halves (accumulate_two_and_halves), then the second halves from cache.
   struct TwoAndHalves {};
+  /// Two rows whose first pass over V reads whole rows and keeps the two rows' sums in L1
+  /// (accumulate_whole_rows_in_l1), where the registers hold less than one whole row.
+  struct TwoThroughL1 {};
+  /// The head size TwoThroughL1 is compiled for (the one measured).
+  static constexpr std::size_t kThroughL1Dim = 128;
 
   /// The query rows a group of for_each_value_group reads V for.
   template <std::size_t R>
@@ -474,6 +479,7 @@ class AttentionKernel {
     return R;
   }
   static constexpr std::size_t rows_of(TwoAndHalves) noexcept { return 4; }
+  static constexpr std::size_t rows_of(TwoThroughL1) noexcept { return 2; }
   static constexpr bool kTwoAndHalves = kVectorBytes == 64 && kBlockRegisters<2, Stored, Acc> % 2 == 0 &&
                                         kBlockRegisters<2, Stored, Acc> / 2 % RowReader<Stored, Acc>::kSplit == 0;
 
@@ -487,7 +493,13 @@ class AttentionKernel {
   /// from cache; AVX-512 AMD EPYC). Under AVX2, where only one row keeps a whole row (D = 128),
   /// that one row (float at four query rows per kv head, one core, S = 32,768: 0.38-0.46 ->
   /// 0.52-0.58 of the plain read, against four rows over a quarter of each row at a time; 2-core
-  /// AMD EPYC). The rest read the tile from cache four rows at a time, then two, then one.
+  /// AMD EPYC). There, at D = 128, two rows, or four of 16-bit V, keep the first two rows' sums
+  /// in L1 instead (TwoThroughL1): the pass from memory serves two rows and the passes from
+  /// cache one row fewer. Medians of eight interleaved pairs of runs (S = 16,384 and 32,768),
+  /// `vs_read`: two query rows per kv head, one core 0.64-0.69 -> 0.68-0.69, two cores
+  /// 0.71-0.72 -> 0.74-0.77; four bf16 or half rows 0.51-0.58 -> 0.54-0.60; four float rows lost
+  /// (0.61-0.66 -> 0.57-0.64), so they keep one row whole. The rest read the tile from cache four
+  /// rows at a time, then two, then one.
   template <class F>
   void for_each_value_group(std::size_t n, const F& f) const {
     using Four = std::integral_constant<std::size_t, 4>;
@@ -502,6 +514,9 @@ class AttentionKernel {
       i += 4;
     } else if (n >= 2 && dim_ <= whole_row<2>()) {
       f(Two{}, i);
+      i += 2;
+    } else if (kVectorBytes == 32 && dim_ == kThroughL1Dim && (n == 2 || (n == 4 && sizeof(T) < sizeof(Acc)))) {
+      f(TwoThroughL1{}, i);
       i += 2;
     } else if (kVectorBytes == 32 && n >= 2 && dim_ <= whole_row<1>()) {
       f(One{}, i);
@@ -589,6 +604,19 @@ class AttentionKernel {
       weights[r] = w.scores.get() + w.active[i + r] * tile_;
     }
     accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_, fetch);
+  }
+
+  /// The same for active rows [i, i + 2) as TwoThroughL1 (dim_ == kThroughL1Dim).
+  template <class Fetch>
+  void accumulate(TwoThroughL1, Workspace& w, std::size_t i, const Stored* values, std::size_t stride,
+                  std::size_t count, const Fetch& fetch) const noexcept {
+    Acc* acc[2];
+    const Acc* weights[2];
+    for (std::size_t r = 0; r < 2; ++r) {
+      acc[r] = w.acc.data() + w.active[i + r] * dim_;
+      weights[r] = w.scores.get() + w.active[i + r] * tile_;
+    }
+    accumulate_whole_rows_in_l1<2, kThroughL1Dim>(acc, weights, values, stride, count, fetch);
   }
 
   /// The same for active rows [i, i + 4) as TwoAndHalves (dim_ == whole_row<2>()).

@@ -539,6 +539,39 @@ inline void accumulate_two_and_halves(Acc* const (&acc)[4], const Acc* const (&w
   unroll<2>([&](auto r) { unroll<H>([&](auto c) { store_vector(acc[2 + r] + c * W, half[r][c]); }); });
 }
 
+/// acc[r] += sum_j w[r][j] * rows[j] for R query rows over whole rows of Dim values, the sums
+/// read from and written back to acc (L1) at every key instead of held in registers: one pass
+/// over whole rows in order (the one from memory; fetch(j) as row j is read) serves R rows where
+/// the registers hold less than one. The loads and stores cost little beside the transfer (a
+/// stream with 8 such multiply-adds per 64-byte line read 0.86-0.89 of the plain read from
+/// memory, bench/stream_bench; 16 a line are bound by the stores).
+template <std::size_t R, std::size_t Dim, class T, class Acc, class Fetch>
+inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows,
+                                        std::size_t stride, std::size_t count, const Fetch& fetch) noexcept {
+  using V = Vector<Acc>;
+  using Reader = RowReader<T, Acc>;
+  constexpr std::size_t W = kVector<Acc>;
+  constexpr std::size_t S = Reader::kSplit;
+  static_assert(Dim % (S * W) == 0, "accumulate_whole_rows_in_l1: Dim must be a whole number of reads.");
+  for (std::size_t j = 0; j < count; ++j) {
+    const T* row = rows + j * stride;
+    fetch(j);
+    V p[R];
+    unroll<R>([&](auto r) { p[r] = splat(w[r][j]); });
+    unroll<Dim / (S * W)>([&](auto c) KVCACHE_ALWAYS_INLINE {
+      V x[S];
+      Reader::load(row + c * S * W, x);
+      unroll<S>([&](auto s) KVCACHE_ALWAYS_INLINE {
+        const V v = in_register(x[s]);
+        unroll<R>([&](auto r) {
+          Acc* const sum = acc[r] + (c * S + s) * W;
+          store_vector(sum, load_vector<V>(sum) + p[r] * v);
+        });
+      });
+    });
+  }
+}
+
 /// acc[r][d, dim) += sum_j w[r][j] * rows[j][d, dim) for R query rows (accumulators in lane_of
 /// order): blocks of C registers per row while they fit, then half as many, down to one read,
 /// then scalars for the tail. fetch(j) is called as in accumulate_block.
