@@ -467,7 +467,7 @@ class AttentionKernel {
   /// Four rows whose first pass over V gives two of them whole rows and the other two first
   /// halves (accumulate_two_and_halves), then the second halves from cache.
   struct TwoAndHalves {};
-  /// Two rows whose first pass over V reads whole rows and keeps the two rows' sums in L1
+  /// Two rows whose one pass over V reads whole rows and keeps both rows' sums in L1
   /// (accumulate_whole_rows_in_l1), where the registers hold less than one whole row.
   struct TwoThroughL1 {};
   /// The head size TwoThroughL1 is compiled for (the one measured).
@@ -493,13 +493,12 @@ class AttentionKernel {
   /// from cache; AVX-512 AMD EPYC). Under AVX2, where only one row keeps a whole row (D = 128),
   /// that one row (float at four query rows per kv head, one core, S = 32,768: 0.38-0.46 ->
   /// 0.52-0.58 of the plain read, against four rows over a quarter of each row at a time; 2-core
-  /// AMD EPYC). There, at D = 128, two rows, or four of 16-bit V, keep the first two rows' sums
-  /// in L1 instead (TwoThroughL1): the pass from memory serves two rows and the passes from
-  /// cache one row fewer. Medians of eight interleaved pairs of runs (S = 16,384 and 32,768),
-  /// `vs_read`: two query rows per kv head, one core 0.64-0.69 -> 0.68-0.69, two cores
-  /// 0.71-0.72 -> 0.74-0.77; four bf16 or half rows 0.51-0.58 -> 0.54-0.60; four float rows lost
-  /// (0.61-0.66 -> 0.57-0.64), so they keep one row whole. The rest read the tile from cache four
-  /// rows at a time, then two, then one.
+  /// AMD EPYC). There two rows at D = 128 keep their sums in L1 instead (TwoThroughL1), so that
+  /// the one pass over V, from memory, serves both. Medians of `vs_read` over twelve interleaved
+  /// pairs of runs (S = 16,384 and 32,768), float / bf16 / half: one core 0.68 / 0.64 / 0.65 ->
+  /// 0.69 / 0.69 / 0.67, two cores 0.73 / 0.70 / 0.71 -> 0.76 / 0.73 / 0.75. Four rows gained
+  /// nothing beyond the noise that way (16-bit V) or lost (float), and keep one row whole. The
+  /// rest read the tile from cache four rows at a time, then two, then one.
   template <class F>
   void for_each_value_group(std::size_t n, const F& f) const {
     using Four = std::integral_constant<std::size_t, 4>;
@@ -515,7 +514,7 @@ class AttentionKernel {
     } else if (n >= 2 && dim_ <= whole_row<2>()) {
       f(Two{}, i);
       i += 2;
-    } else if (kVectorBytes == 32 && dim_ == kThroughL1Dim && (n == 2 || (n == 4 && sizeof(T) < sizeof(Acc)))) {
+    } else if (kVectorBytes == 32 && n == 2 && dim_ == kThroughL1Dim) {
       f(TwoThroughL1{}, i);
       i += 2;
     } else if (kVectorBytes == 32 && n >= 2 && dim_ <= whole_row<1>()) {
