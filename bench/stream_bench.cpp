@@ -173,21 +173,20 @@ void add(const char* work, std::size_t bytes) {
       ->Unit(benchmark::kMillisecond);
 }
 
+/// add<W, F>(work, bytes) for each F given.
+template <Work W, std::size_t... F>
+void add_each(const char* work, std::size_t bytes) {
+  (add<W, F>(work, bytes), ...);
+}
+
 void register_all() {
   const std::size_t bytes = kvcache::bench::smoke_mode() ? std::size_t{1} << 20 : std::size_t{256} << 20;
-  add<Work::kRead, 0>("read", bytes);
-  add<Work::kPrefetch, 0>("prefetch", bytes);
-  add<Work::kMultiplyAdds, 8>("multiply_adds", bytes);
-  add<Work::kMultiplyAdds, 16>("multiply_adds", bytes);
-  add<Work::kMultiplyAdds, 32>("multiply_adds", bytes);
-  add<Work::kL1Operands, 4>("l1_operands", bytes);
-  add<Work::kL1Operands, 8>("l1_operands", bytes);
-  add<Work::kL1Operands, 16>("l1_operands", bytes);
-  add<Work::kL1Loads, 4>("l1_loads", bytes);
-  add<Work::kL1Loads, 16>("l1_loads", bytes);
-  add<Work::kL1Accumulators, 4>("l1_accumulators", bytes);
-  add<Work::kL1Accumulators, 8>("l1_accumulators", bytes);
-  add<Work::kL1Accumulators, 16>("l1_accumulators", bytes);
+  add_each<Work::kRead, 0>("read", bytes);
+  add_each<Work::kPrefetch, 0>("prefetch", bytes);
+  add_each<Work::kMultiplyAdds, 8, 16, 32>("multiply_adds", bytes);
+  add_each<Work::kL1Operands, 4, 8, 16>("l1_operands", bytes);
+  add_each<Work::kL1Loads, 4, 16>("l1_loads", bytes);
+  add_each<Work::kL1Accumulators, 4, 8, 16>("l1_accumulators", bytes);
 }
 
 }  // namespace
