@@ -592,16 +592,22 @@ class AttentionKernel {
     }
   }
 
+  /// The running sums and the tile's weights of active rows [i, i + R).
+  template <std::size_t R>
+  void sums_and_weights(Workspace& w, std::size_t i, Acc* (&acc)[R], const Acc* (&weights)[R]) const noexcept {
+    for (std::size_t r = 0; r < R; ++r) {
+      acc[r] = w.acc.data() + w.active[i + r] * dim_;
+      weights[r] = w.scores.get() + w.active[i + r] * tile_;
+    }
+  }
+
   /// Adds the weighted V rows of the tile into the accumulators of active rows [i, i + R).
   template <std::size_t R, class Fetch>
   void accumulate(std::integral_constant<std::size_t, R>, Workspace& w, std::size_t i, const Stored* values,
                   std::size_t stride, std::size_t count, const Fetch& fetch) const noexcept {
     Acc* acc[R];
     const Acc* weights[R];
-    for (std::size_t r = 0; r < R; ++r) {
-      acc[r] = w.acc.data() + w.active[i + r] * dim_;
-      weights[r] = w.scores.get() + w.active[i + r] * tile_;
-    }
+    sums_and_weights(w, i, acc, weights);
     accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_, fetch);
   }
 
@@ -611,10 +617,7 @@ class AttentionKernel {
                   std::size_t count, const Fetch& fetch) const noexcept {
     Acc* acc[2];
     const Acc* weights[2];
-    for (std::size_t r = 0; r < 2; ++r) {
-      acc[r] = w.acc.data() + w.active[i + r] * dim_;
-      weights[r] = w.scores.get() + w.active[i + r] * tile_;
-    }
+    sums_and_weights(w, i, acc, weights);
     accumulate_whole_rows_in_l1<2, kThroughL1Dim>(acc, weights, values, stride, count, fetch);
   }
 
@@ -626,10 +629,7 @@ class AttentionKernel {
       constexpr std::size_t C = kBlockRegisters<2, Stored, Acc>;
       Acc* acc[4];
       const Acc* weights[4];
-      for (std::size_t r = 0; r < 4; ++r) {
-        acc[r] = w.acc.data() + w.active[i + r] * dim_;
-        weights[r] = w.scores.get() + w.active[i + r] * tile_;
-      }
+      sums_and_weights(w, i, acc, weights);
       accumulate_two_and_halves<C>(acc, weights, values, stride, count, fetch);
       Acc* const halves[2] = {acc[2], acc[3]};
       const Acc* const halves_weights[2] = {weights[2], weights[3]};
