@@ -58,7 +58,9 @@ namespace {
 constexpr std::size_t kHeadDim = 128;
 constexpr std::size_t kKvHeads = 8;
 
+using kvcache::bench::median;
 using kvcache::bench::smoke_mode;
+using kvcache::bench::time_call;
 
 /// Set when an attention output disagreed with the reference: the program then fails.
 bool wrong_output = false;
@@ -90,23 +92,6 @@ float read_all(const std::vector<std::pair<const float*, std::size_t>>& buffers,
   work(0);
   for (std::thread& t : pool) t.join();
   return std::accumulate(sums.begin(), sums.end(), 0.0F);
-}
-
-/// The middle value of `seconds` (the upper one of an even count); reorders them.
-double median(std::vector<double>& seconds) {
-  if (seconds.empty()) return 0;
-  const auto middle = seconds.begin() + static_cast<std::ptrdiff_t>(seconds.size() / 2);
-  std::nth_element(seconds.begin(), middle, seconds.end());
-  return *middle;
-}
-
-/// Seconds `f()` takes, on a steady clock.
-template <class F>
-double time_call(const F& f) {
-  const auto start = std::chrono::steady_clock::now();
-  f();
-  const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - start;
-  return seconds.count();
 }
 
 /// K and V for one layer at `tokens` positions, written into a KvCache a chunk at a time.

@@ -5,9 +5,12 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdlib>
 #include <string_view>
+#include <vector>
 
 namespace kvcache::bench {
 
@@ -16,6 +19,24 @@ using Clock = std::chrono::steady_clock;
 /// Seconds from `start` to now.
 inline double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+/// Seconds `f()` takes, on a steady clock.
+template <class F>
+double time_call(const F& f) {
+  const auto start = Clock::now();
+  f();
+  return seconds_since(start);
+}
+
+/// The middle value of `seconds` (the upper one of an even count), 0 for none; reorders them.
+/// Programs that time two things in turn on every iteration compare medians: a median ignores
+/// the odd call a shared machine disturbs.
+inline double median(std::vector<double>& seconds) {
+  if (seconds.empty()) return 0;
+  const auto middle = seconds.begin() + static_cast<std::ptrdiff_t>(seconds.size() / 2);
+  std::nth_element(seconds.begin(), middle, seconds.end());
+  return *middle;
 }
 
 /// KVCACHE_BENCH_SMOKE set (and not "0"): register only tiny cases, so CI runs every path in seconds.

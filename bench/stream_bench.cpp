@@ -39,6 +39,8 @@
 namespace {
 
 using V = kvcache::detail::Vector<float>;
+using kvcache::bench::median;
+using kvcache::bench::time_call;
 using kvcache::detail::in_register;
 using kvcache::detail::kVector;
 using kvcache::detail::load_vector;
@@ -83,7 +85,7 @@ float stream(const float* data, std::size_t count) {
       // Operand f: the same register's worth of the L1 block every step, as a query row is for
       // every key. The block's address is hidden from the optimizer each step, so that the
       // operands are loaded every time and never hoisted out of the loop.
-      const float* block = l1_block;
+      float* block = l1_block;
 #if defined(__GNUC__) || defined(__clang__)
       asm("" : "+r"(block));
 #endif
@@ -94,7 +96,7 @@ float stream(const float* data, std::size_t count) {
         if constexpr (W == Work::kL1Operands) chain = chain * operand() + line[f % kLineVectors];
         if constexpr (W == Work::kL1Loads) chain += operand();
         if constexpr (W == Work::kL1Accumulators) {
-          float* sum = const_cast<float*>(block) + f * kVector<float> % kBlockFloats;
+          float* const sum = block + f * kVector<float> % kBlockFloats;
           kvcache::detail::store_vector(sum, load_vector<V>(sum) * x + line[f % kLineVectors]);
         }
       });
@@ -107,14 +109,6 @@ float stream(const float* data, std::size_t count) {
 
 /// The largest whole number of kChains steps in `floats`.
 constexpr std::size_t whole_groups(std::size_t floats) { return floats / (kChains * kStep) * (kChains * kStep); }
-
-/// The middle value of `seconds` (the upper one of an even count); reorders them.
-double median(std::vector<double>& seconds) {
-  if (seconds.empty()) return 0;
-  const auto middle = seconds.begin() + static_cast<std::ptrdiff_t>(seconds.size() / 2);
-  std::nth_element(seconds.begin(), middle, seconds.end());
-  return *middle;
-}
 
 /// A region allocated as a cache's storage is (huge pages where it spans one), filled.
 kvcache::detail::AlignedBuffer<float> region(std::size_t bytes) {
@@ -131,21 +125,16 @@ void BM_Stream(benchmark::State& state, std::size_t bytes) {
   const auto cached = region(kCachedBytes);
   const std::size_t cached_count = whole_groups(kCachedBytes / sizeof(float));
   std::fill(std::begin(l1_block), std::end(l1_block), 1.0F);
-  const auto timed = [](const auto& f) {
-    const auto start = kvcache::bench::Clock::now();
-    f();
-    return kvcache::bench::seconds_since(start);
-  };
   std::vector<double> read_seconds;
   std::vector<double> stream_seconds;
   std::vector<double> cached_seconds;
   for (auto _ : state) {
-    read_seconds.push_back(timed([&] { benchmark::DoNotOptimize(stream<Work::kRead, 0>(a.data(), count)); }));
-    const double seconds = timed([&] { benchmark::DoNotOptimize(stream<W, F>(b.data(), count)); });
+    read_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(stream<Work::kRead, 0>(a.data(), count)); }));
+    const double seconds = time_call([&] { benchmark::DoNotOptimize(stream<W, F>(b.data(), count)); });
     stream_seconds.push_back(seconds);
     state.SetIterationTime(seconds);
     benchmark::DoNotOptimize(stream<W, F>(cached.data(), cached_count));  // into the cache first
-    cached_seconds.push_back(timed([&] {
+    cached_seconds.push_back(time_call([&] {
       for (std::size_t pass = 0; pass < kCachedPasses; ++pass) {
         benchmark::DoNotOptimize(stream<W, F>(cached.data(), cached_count));
       }
