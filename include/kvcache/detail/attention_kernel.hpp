@@ -547,27 +547,36 @@ class AttentionKernel {
   // kv head, one core: 0.76 -> 0.79-0.82 of the plain read).
   static constexpr std::size_t kMaxFixedKeys = 8;
 
-  /// score() for a head size Dim known at compile time. One query row whose query fits in
-  /// registers reads the keys one whole row after another (score_in_order): every load then
-  /// moves by one row stride, which the hardware prefetcher follows (float from memory ran
-  /// 10-15% faster than W keys at a time, a register of each, whose loads jump between rows).
-  /// Under AVX2 it does so even where the query takes all 16 registers (D = 128) and is read
-  /// from L1 instead: with V's whole rows in registers too (kBlockRegisters), one query row
-  /// per kv head read 0.77-0.91 of the plain read from memory instead of 0.43-0.78 (2-core AMD
-  /// EPYC, float, bf16 and half, one and two cores; two rows in order there read no faster from
-  /// memory and slower in cache). More rows read kVector / R keys at a time: in order, two rows
-  /// ran no faster in float and slower in bf16, and four rows, whose queries do not fit in
-  /// registers, ran slower. Their loop over a row is unrolled where a call reads at most
-  /// kMaxFixedKeys rows (the loads of more unrolled rows are more than the hardware prefetcher
-  /// tracks) and a row is at most 16 reads (past that, at narrow vector widths, unrolling gained
-  /// nothing, only code to compile). Measured on an AVX-512 AMD EPYC where not said otherwise.
+  /// score() for a head size Dim known at compile time. Where the rows are read in order
+  /// (score_in_order), one whole K row after another, every load moves by one row stride, which
+  /// the hardware prefetcher follows: one query row whose query fits in registers does so (float
+  /// from memory ran 10-15% faster than W keys at a time, a register of each, whose loads jump
+  /// between rows), and under AVX2 every group of rows does, their queries read from L1 where
+  /// the registers do not hold them. One query row per kv head read 0.77-0.91 of the plain read
+  /// that way instead of 0.43-0.78; two and four rows, one long stream of K rows with their
+  /// queries copied into the function's own array first, 0.80-0.88 of the plain read instead of
+  /// 0.56-0.71 W / R keys at a time (float and bf16; read from the query rows themselves at
+  /// every step, 0.60-0.66), and in the kernel float at two query rows per kv head, two cores,
+  /// 0.71-0.76 -> 0.80-0.87 (2-core AMD EPYC). Under AVX-512, where two rows in order ran no
+  /// faster in float and slower in bf16, and four, whose queries did not fit in registers,
+  /// slower, more rows read kVector / R keys at a time. Their loop over a row is unrolled where
+  /// a call reads at most kMaxFixedKeys rows (the loads of more unrolled rows are more than the
+  /// hardware prefetcher tracks) and a row is at most 16 reads (past that, at narrow vector
+  /// widths, unrolling gained nothing, only code to compile). Measured on an AVX-512 AMD EPYC
+  /// where not said otherwise.
   template <std::size_t R, std::size_t Dim>
   void score_fixed(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                    const RowFetcher& fetch) const noexcept {
     constexpr std::size_t kRead = RowReader<Stored, Acc>::kSplit * kW;
-    if constexpr (R == 1 && Dim % kRead == 0 && Dim / kW <= (kVectorBytes == 32 ? kRegisters : kAccumulators)) {
-      score_in_order<Dim>(w.queries.data() + w.readers[i] * dim_, keys, stride, count,
-                          w.scores.get() + w.readers[i] * tile_, fetch);
+    if constexpr (Dim % kRead == 0 &&
+                  ((R == 1 && Dim / kW <= (kVectorBytes == 32 ? kRegisters : kAccumulators)) || kVectorBytes == 32)) {
+      const Acc* q[R];
+      Acc* out[R];
+      for (std::size_t r = 0; r < R; ++r) {
+        q[r] = w.queries.data() + w.readers[i + r] * dim_;
+        out[r] = w.scores.get() + w.readers[i + r] * tile_;
+      }
+      score_in_order<R, Dim>(q, keys, stride, count, out, fetch);
     } else if constexpr (kW / R <= kMaxFixedKeys && Dim % kRead == 0 && Dim / kRead <= 16) {
       score_rows<R, Dim>(w, i, keys, stride, count, fetch);
     } else {

@@ -433,40 +433,54 @@ KVCACHE_ALWAYS_INLINE inline void score_keys(const Acc* const (&q)[R], const T* 
   unroll<R>([&](auto r) { std::memcpy(out[r], lanes + r * K, K * sizeof(Acc)); });
 }
 
-/// out[j] = q . rows[j] for `count` rows `stride` apart, read one whole row after another, so
-/// that every load moves by one row stride from key to key. q (Dim values in lane_of order)
-/// stays in registers; a key's products stay a vector, lanes not yet summed, until W keys are
-/// done and transpose_sum adds them up. fetch(j) is called as row j is read.
-template <std::size_t Dim, class T, class Acc, class Fetch>
-inline void score_in_order(const Acc* q, const T* rows, std::size_t stride, std::size_t count, Acc* out,
-                           const Fetch& fetch) noexcept {
+/// out[r][j] = q[r] . rows[j] for R query rows and `count` rows `stride` apart, read one whole
+/// row after another, so that every load moves by one row stride from key to key. The queries
+/// (Dim values each, in lane_of order) are copied into an array of the function's own first,
+/// of which the compiler keeps what the registers hold and reads the rest from L1 (read from q
+/// at every step instead, two and four query rows read one long stream of K rows at 0.60-0.66
+/// of the plain read, against 0.80-0.88; 2-core AMD EPYC, AVX2). A key's products stay a vector
+/// per query row, lanes not yet summed, until W keys are done and transpose_sum adds them up.
+/// fetch(j) is called as row j is read.
+template <std::size_t R, std::size_t Dim, class T, class Acc, class Fetch>
+inline void score_in_order(const Acc* const (&q)[R], const T* rows, std::size_t stride, std::size_t count,
+                           Acc* const (&out)[R], const Fetch& fetch) noexcept {
   using V = Vector<Acc>;
   using Reader = RowReader<T, Acc>;
   constexpr std::size_t W = kVector<Acc>;
   constexpr std::size_t S = Reader::kSplit;
   static_assert(Dim % (S * W) == 0 && Dim > 0, "score_in_order: Dim must be a whole number of reads.");
-  V query[Dim / W];
-  unroll<Dim / W>([&](auto c) { query[c] = load_vector<V>(q + c * W); });
+  V query[R][Dim / W];
+  unroll<R>([&](auto r) { unroll<Dim / W>([&](auto c) { query[r][c] = load_vector<V>(q[r] + c * W); }); });
   for (std::size_t first = 0; first < count; first += W) {
     const std::size_t n = std::min(W, count - first);
-    V products[W];
+    V products[R][W];
     for (std::size_t k = 0; k < n; ++k) {
       const T* row = rows + (first + k) * stride;
       fetch(first + k);
-      V chains[2] = {};  // two chains of multiply-adds, so each waits on half as many
+      V chains[R][2] = {};  // two chains of multiply-adds per query row, so each waits on half as many
       for_each_step<Dim, S * W>(Dim, [&](auto d) KVCACHE_ALWAYS_INLINE {
         V x[S];
         Reader::load(row + d, x);
-        unroll<S>([&](auto s) { chains[(d / W + s) % 2] += query[d / W + s] * in_register(x[s]); });
+        unroll<S>([&](auto s) KVCACHE_ALWAYS_INLINE {
+          const V v = in_register(x[s]);
+          unroll<R>([&](auto r) { chains[r][(d / W + s) % 2] += query[r][d / W + s] * v; });
+        });
       });
-      products[k] = chains[0] + chains[1];
+      unroll<R>([&](auto r) { products[r][k] = chains[r][0] + chains[r][1]; });
     }
-    for (std::size_t k = n; k < W; ++k) products[k] = V{};
-    V ordered[W];
-    unroll<W>([&](auto l) { ordered[l] = products[reverse_bits(l, W)]; });
-    Acc lanes[W];
-    store_vector(lanes, transpose_sum<W, W / 2>(ordered));
-    std::memcpy(out + first, lanes, n * sizeof(Acc));
+    unroll<R>([&](auto r) {
+      for (std::size_t k = n; k < W; ++k) products[r][k] = V{};
+      V ordered[W];
+      unroll<W>([&](auto l) { ordered[l] = products[r][reverse_bits(l, W)]; });
+      const V sums = transpose_sum<W, W / 2>(ordered);
+      if (n == W) {
+        store_vector(out[r] + first, sums);  // a memcpy of a size known only at run time is a rep movs
+      } else {
+        Acc lanes[W];
+        store_vector(lanes, sums);
+        std::memcpy(out[r] + first, lanes, n * sizeof(Acc));
+      }
+    });
   }
 }
 
