@@ -345,8 +345,11 @@ class AttentionKernel {
     // 5-15%, one to four bf16 rows 5-15%). The first pass over V reads whole rows in order and
     // asks for 16-bit rows (bf16 gained 5-10% at two and four query rows, 3-11% at one; float
     // lost 5-10%, and up to 30% before the tiles grew to 128 KiB), and for float rows where the
-    // fetch policy says (Intel Xeon). The other passes read the tile from cache. (All measured
-    // on an AVX-512 AMD EPYC, where not said otherwise.)
+    // fetch policy says (Intel Xeon) or where that pass keeps its rows' sums in L1 (float V
+    // alone at two and four query rows per kv head under AVX2, one core, S = 32,768: 1.33-1.38
+    // -> 1.52-1.56 and 1.07-1.13 -> 1.27-1.33 times as fast as the plain read of K and V, two
+    // interleaved runs; 2-core AMD EPYC). The other passes read the tile from cache. (All
+    // measured on an AVX-512 AMD EPYC, where not said otherwise.)
     const RowFetcher none;
     const bool fetch_keys = w.readers.size() * sizeof(Acc) >= 2 * sizeof(T);
     with_rows(segment.keys, item, first, count, fetch_keys ? count + ahead : 0, w.keys,
@@ -383,7 +386,7 @@ class AttentionKernel {
     constexpr bool sixteen_bit = sizeof(T) < sizeof(Acc);
     // A row shorter than one read is summed by scalars, which call no hook: weighed first.
     const bool weigh_in_pass = kWeighInPass && sixteen_bit && dim_ >= RowReader<Stored, Acc>::kSplit * kW;
-    const bool fetch_values = sixteen_bit || fetch_policy().float_values;
+    const bool fetch_values = sixteen_bit || fetch_policy().float_values || rows_through_l1(w.active.size()) != 0;
     with_rows(segment.values, item, first, count, fetch_values ? count + ahead : 0, w.values,
               [&](const Stored* values, std::size_t stride, const RowFetcher& fetch) {
                 for_each_value_group(w.active.size(), [&](auto group, std::size_t i) {
@@ -469,8 +472,9 @@ class AttentionKernel {
   struct TwoAndHalves {};
   /// Two rows whose one pass over V reads whole rows and keeps both rows' sums in L1
   /// (accumulate_whole_rows_in_l1), where the registers hold less than one whole row.
-  struct TwoThroughL1 {};
-  /// The head size TwoThroughL1 is compiled for (the one measured).
+  template <std::size_t R>
+  struct ThroughL1 {};
+  /// The head size ThroughL1 is compiled for (the one measured).
   static constexpr std::size_t kThroughL1Dim = 128;
 
   /// The query rows a group of for_each_value_group reads V for.
@@ -479,9 +483,24 @@ class AttentionKernel {
     return R;
   }
   static constexpr std::size_t rows_of(TwoAndHalves) noexcept { return 4; }
-  static constexpr std::size_t rows_of(TwoThroughL1) noexcept { return 2; }
+  template <std::size_t R>
+  static constexpr std::size_t rows_of(ThroughL1<R>) noexcept {
+    return R;
+  }
   static constexpr bool kTwoAndHalves = kVectorBytes == 64 && kBlockRegisters<2, Stored, Acc> % 2 == 0 &&
                                         kBlockRegisters<2, Stored, Acc> / 2 % RowReader<Stored, Acc>::kSplit == 0;
+
+  /// The rows of the first group of for_each_value_group when it keeps its sums in L1 (ThroughL1),
+  /// given n active rows; 0 when it does not. Under AVX2 at D = 128, where one row's sums take
+  /// all 16 registers: four rows or two, as many as add at most 8 registers of sums per 64-byte
+  /// line read (16 are bound by their stores, bench/stream_bench): four float rows, two 16-bit.
+  [[nodiscard]] std::size_t rows_through_l1(std::size_t n) const noexcept {
+    constexpr std::size_t kSumsPerRow = std::max<std::size_t>(64 / sizeof(Stored) / kW, 1);  // per line
+    if (kVectorBytes != 32 || dim_ != kThroughL1Dim) return 0;
+    if (n >= 4 && 4 * kSumsPerRow <= 8) return 4;
+    if (n >= 2 && 2 * kSumsPerRow <= 8) return 2;
+    return 0;
+  }
 
   /// Calls f(std::integral_constant<std::size_t, R>{}, i) for groups of rows [i, i + R) covering
   /// [0, n), each of which reads a tile's V rows once for all its rows. The first group takes
@@ -491,20 +510,21 @@ class AttentionKernel {
   /// f(TwoAndHalves{}, i) for four (at H_q = 4 H_kv, D = 128, one core read float 0.02 and
   /// bf16 0.03 closer to the plain read on average than with two rows of whole rows and two more
   /// from cache; AVX-512 AMD EPYC). Under AVX2, where only one row keeps a whole row (D = 128),
-  /// that one row (float at four query rows per kv head, one core, S = 32,768: 0.38-0.46 ->
-  /// 0.52-0.58 of the plain read, against four rows over a quarter of each row at a time; 2-core
-  /// AMD EPYC). There two rows at D = 128 keep their sums in L1 instead (TwoThroughL1), so that
-  /// the one pass over V, from memory, serves both. Medians of `vs_read` over twelve interleaved
-  /// pairs of runs (S = 16,384 and 32,768), float / bf16 / half: one core 0.68 / 0.64 / 0.65 ->
-  /// 0.69 / 0.69 / 0.67, two cores 0.73 / 0.70 / 0.71 -> 0.76 / 0.73 / 0.75. Four rows gained
-  /// nothing beyond the noise that way (16-bit V) or lost (float), and keep one row whole. The
-  /// rest read the tile from cache four rows at a time, then two, then one.
+  /// the rows of rows_through_l1 with their sums in L1 (ThroughL1), so that the one pass over V,
+  /// from memory, serves them all: two rows, medians of `vs_read` over twelve interleaved pairs
+  /// of runs (S = 16,384 and 32,768), float / bf16 / half: one core 0.68 / 0.64 / 0.65 -> 0.69 /
+  /// 0.69 / 0.67, two cores 0.73 / 0.70 / 0.71 -> 0.76 / 0.73 / 0.75, against one row whole and
+  /// one from cache (2-core AMD EPYC). Else that one row (float at four query rows per kv head,
+  /// one core, S = 32,768: 0.38-0.46 -> 0.52-0.58 of the plain read, against four rows over a
+  /// quarter of each row at a time). The rest read the tile from cache four rows at a time,
+  /// then two, then one.
   template <class F>
   void for_each_value_group(std::size_t n, const F& f) const {
     using Four = std::integral_constant<std::size_t, 4>;
     using Two = std::integral_constant<std::size_t, 2>;
     using One = std::integral_constant<std::size_t, 1>;
     std::size_t i = 0;
+    const std::size_t through_l1 = rows_through_l1(n);
     if (n >= 4 && dim_ <= whole_row<4>()) {
       f(Four{}, i);
       i += 4;
@@ -514,8 +534,11 @@ class AttentionKernel {
     } else if (n >= 2 && dim_ <= whole_row<2>()) {
       f(Two{}, i);
       i += 2;
-    } else if (kVectorBytes == 32 && n == 2 && dim_ == kThroughL1Dim) {
-      f(TwoThroughL1{}, i);
+    } else if (through_l1 == 4) {
+      f(ThroughL1<4>{}, i);
+      i += 4;
+    } else if (through_l1 == 2) {
+      f(ThroughL1<2>{}, i);
       i += 2;
     } else if (kVectorBytes == 32 && n >= 2 && dim_ <= whole_row<1>()) {
       f(One{}, i);
@@ -620,14 +643,14 @@ class AttentionKernel {
     accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_, fetch);
   }
 
-  /// The same for active rows [i, i + 2) as TwoThroughL1 (dim_ == kThroughL1Dim).
-  template <class Fetch>
-  void accumulate(TwoThroughL1, Workspace& w, std::size_t i, const Stored* values, std::size_t stride,
+  /// The same for active rows [i, i + R) as ThroughL1<R> (dim_ == kThroughL1Dim).
+  template <std::size_t R, class Fetch>
+  void accumulate(ThroughL1<R>, Workspace& w, std::size_t i, const Stored* values, std::size_t stride,
                   std::size_t count, const Fetch& fetch) const noexcept {
-    Acc* acc[2];
-    const Acc* weights[2];
+    Acc* acc[R];
+    const Acc* weights[R];
     sums_and_weights(w, i, acc, weights);
-    accumulate_whole_rows_in_l1<2, kThroughL1Dim>(acc, weights, values, stride, count, fetch);
+    accumulate_whole_rows_in_l1<R, kThroughL1Dim>(acc, weights, values, stride, count, fetch);
   }
 
   /// The same for active rows [i, i + 4) as TwoAndHalves (dim_ == whole_row<2>()).
