@@ -576,17 +576,17 @@ class AttentionKernel {
   /// from memory ran 10-15% faster than W keys at a time, a register of each, whose loads jump
   /// between rows), and under AVX2 every group of rows does, their queries read from L1 where
   /// the registers do not hold them. One query row per kv head read 0.77-0.91 of the plain read
-  /// that way instead of 0.43-0.78; two and four rows, one long stream of K rows with their
-  /// queries copied into the function's own array first, 0.80-0.88 of the plain read instead of
-  /// 0.56-0.71 W / R keys at a time (float and bf16; read from the query rows themselves at
-  /// every step, 0.60-0.66), and in the kernel float at two query rows per kv head, two cores,
-  /// 0.71-0.76 -> 0.80-0.87 (2-core AMD EPYC). Under AVX-512, where two rows in order ran no
-  /// faster in float and slower in bf16, and four, whose queries did not fit in registers,
-  /// slower, more rows read kVector / R keys at a time. Their loop over a row is unrolled where
-  /// a call reads at most kMaxFixedKeys rows (the loads of more unrolled rows are more than the
-  /// hardware prefetcher tracks) and a row is at most 16 reads (past that, at narrow vector
-  /// widths, unrolling gained nothing, only code to compile). Measured on an AVX-512 AMD EPYC
-  /// where not said otherwise.
+  /// that way instead of 0.43-0.78; over one long stream of K rows, with their queries copied
+  /// into the function's own array first, two rows 0.80-0.93 of the plain read and four
+  /// 0.74-0.90 in float (bf16 0.62-0.85) instead of 0.56-0.75 W / R keys at a time (read from
+  /// the query rows at every step, 0.60-0.66), and in the kernel float at two query rows per kv
+  /// head, two cores, 0.71-0.76 -> 0.80-0.87 (2-core AMD EPYC). Under AVX-512, where two rows
+  /// in order ran no faster in float and slower in bf16, and four, whose queries did not fit in
+  /// registers, slower, more rows read kVector / R keys at a time. Their loop over a row is
+  /// unrolled where a call reads at most kMaxFixedKeys rows (the loads of more unrolled rows are
+  /// more than the hardware prefetcher tracks) and a row is at most 16 reads (past that, at
+  /// narrow vector widths, unrolling gained nothing, only code to compile). Measured on an
+  /// AVX-512 AMD EPYC where not said otherwise.
   template <std::size_t R, std::size_t Dim>
   void score_fixed(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                    const RowFetcher& fetch) const noexcept {
