@@ -347,7 +347,7 @@ class AttentionKernel {
     // lost 5-10%, and up to 30% before the tiles grew to 128 KiB), and for float rows where the
     // fetch policy says (Intel Xeon) or where that pass keeps its rows' sums in L1 (float V
     // alone at two and four query rows per kv head under AVX2, one core, S = 32,768: 1.33-1.38
-    // -> 1.52-1.56 and 1.07-1.13 -> 1.27-1.33 times as fast as the plain read of K and V, two
+    // -> 1.52-1.54 and 1.07-1.13 -> 1.27-1.33 times as fast as the plain read of K and V, two
     // interleaved runs; 2-core AMD EPYC). The other passes read the tile from cache. (All
     // measured on an AVX-512 AMD EPYC, where not said otherwise.)
     const RowFetcher none;
