@@ -470,7 +470,7 @@ class AttentionKernel {
   /// Four rows whose first pass over V gives two of them whole rows and the other two first
   /// halves (accumulate_two_and_halves), then the second halves from cache.
   struct TwoAndHalves {};
-  /// Two rows whose one pass over V reads whole rows and keeps both rows' sums in L1
+  /// R rows whose one pass over V reads whole rows and keeps all R rows' sums in L1
   /// (accumulate_whole_rows_in_l1), where the registers hold less than one whole row.
   template <std::size_t R>
   struct ThroughL1 {};
