@@ -380,9 +380,11 @@ class AttentionKernel {
     // 16-bit V rows are asked for ahead, and the first pass over them (for bf16, the one from
     // memory) also turns its rows' scores into weights as it goes, W keys at a time: there the
     // multiply-add units wait on the rows (bf16 at four query rows per kv head, one core:
-    // 0.02-0.04 closer to the plain read than weights made in a loop of their own; float lost
-    // 0.02-0.03, so its weights are made first). Rows of the groups that read the tile from
-    // cache are weighed just before their pass.
+    // 0.02-0.04 closer to the plain read than weights made in a loop of their own, AVX-512 AMD
+    // EPYC; float lost 0.02-0.03, so its weights are made first). Rows of the groups that read
+    // the tile from cache, or keep their sums in L1, are weighed just before their pass (16-bit
+    // rows at two query rows per kv head through L1, one core: 0.67-0.74 -> 0.77-0.80, two
+    // interleaved pairs of runs; 2-core AMD EPYC).
     constexpr bool sixteen_bit = sizeof(T) < sizeof(Acc);
     // A row shorter than one read is summed by scalars, which call no hook: weighed first.
     const bool weigh_in_pass = kWeighInPass && sixteen_bit && dim_ >= RowReader<Stored, Acc>::kSplit * kW;
@@ -397,18 +399,20 @@ class AttentionKernel {
                     scores[r] = w.scores.get() + w.active[i + r] * tile_;
                     max[r] = w.max[w.active[i + r]];
                   }
-                  if (weigh_in_pass && i == 0) {
-                    const auto fetch_and_weigh = [&](std::size_t j) KVCACHE_ALWAYS_INLINE {
-                      fetch(j);
-                      if (j % kW == 0) {
-                        for (std::size_t r = 0; r < R; ++r) weigh(scores[r] + j, std::min(kW, count - j), max[r]);
-                      }
-                    };
-                    accumulate(group, w, i, values, stride, count, fetch_and_weigh);
-                  } else {
-                    for (std::size_t r = 0; r < R; ++r) weigh(scores[r], count, max[r]);
-                    accumulate(group, w, i, values, stride, count, i == 0 ? fetch : none);
+                  if constexpr (!sums_in_l1(group)) {
+                    if (weigh_in_pass && i == 0) {
+                      const auto fetch_and_weigh = [&](std::size_t j) KVCACHE_ALWAYS_INLINE {
+                        fetch(j);
+                        if (j % kW == 0) {
+                          for (std::size_t r = 0; r < R; ++r) weigh(scores[r] + j, std::min(kW, count - j), max[r]);
+                        }
+                      };
+                      accumulate(group, w, i, values, stride, count, fetch_and_weigh);
+                      return;
+                    }
                   }
+                  for (std::size_t r = 0; r < R; ++r) weigh(scores[r], count, max[r]);
+                  accumulate(group, w, i, values, stride, count, i == 0 ? fetch : none);
                 });
               });
     for (const std::size_t r : w.active) w.sum[r] += sum_of(w.scores.get() + r * tile_, count);
@@ -487,18 +491,28 @@ class AttentionKernel {
   static constexpr std::size_t rows_of(ThroughL1<R>) noexcept {
     return R;
   }
+  /// Whether a group of for_each_value_group keeps its sums in L1.
+  template <class Group>
+  static constexpr bool sums_in_l1(Group) noexcept {
+    return false;
+  }
+  template <std::size_t R>
+  static constexpr bool sums_in_l1(ThroughL1<R>) noexcept {
+    return true;
+  }
   static constexpr bool kTwoAndHalves = kVectorBytes == 64 && kBlockRegisters<2, Stored, Acc> % 2 == 0 &&
                                         kBlockRegisters<2, Stored, Acc> / 2 % RowReader<Stored, Acc>::kSplit == 0;
 
   /// The rows of the first group of for_each_value_group when it keeps its sums in L1 (ThroughL1),
   /// given n active rows; 0 when it does not. Under AVX2 at D = 128, where one row's sums take
-  /// all 16 registers: four rows or two, as many as add at most 8 registers of sums per 64-byte
-  /// line read (16 are bound by their stores, bench/stream_bench): four float rows, two 16-bit.
+  /// all 16 registers: four rows, or two. (Four 16-bit rows store their sums once for two keys,
+  /// see accumulate_whole_rows_in_l1: bf16 and half at H_q = 32, one core, S = 16,384 and 32,768,
+  /// 0.47-0.61 -> 0.65-0.74 of the plain read against two rows through L1 and two from cache,
+  /// two interleaved pairs of runs; 2-core AMD EPYC.)
   [[nodiscard]] std::size_t rows_through_l1(std::size_t n) const noexcept {
-    constexpr std::size_t kSumsPerRow = std::max<std::size_t>(64 / sizeof(Stored) / kW, 1);  // per line
     if (kVectorBytes != 32 || dim_ != kThroughL1Dim) return 0;
-    if (n >= 4 && 4 * kSumsPerRow <= 8) return 4;
-    if (n >= 2 && 2 * kSumsPerRow <= 8) return 2;
+    if (n >= 4) return 4;
+    if (n >= 2) return 2;
     return 0;
   }
 

@@ -555,17 +555,22 @@ inline void accumulate_two_and_halves(Acc* const (&acc)[4], const Acc* const (&w
 }
 
 /// acc[r] += sum_j w[r][j] * rows[j] for R query rows over whole rows of Dim values, the sums
-/// read from and written back to L1 at every key instead of held in registers: one pass over
-/// whole rows in order (the one from memory; fetch(j) as row j is read) serves R rows where the
-/// registers hold less than one. The loads and stores cost little beside the transfer (a stream
-/// with 8 such multiply-adds per 64-byte line read 0.86-0.89 of the plain read from memory,
-/// bench/stream_bench; 16 a line are bound by the stores). The sums live in an array of the
-/// function's own while it runs, which the compiler knows no row or weight shares: summed in
-/// acc itself, one long stream of float V rows read 0.73 of the plain read at two query rows
-/// and 0.61 at four, against 0.90 at both (scratch program, 2-core AMD EPYC, AVX2). The array
-/// is filled and emptied by a loop, not memcpy, and every step is forced inline: else GCC 12
-/// stores every sum twice, to a stack slot of its own and to the array (four float rows over
-/// one long stream then read 0.52-0.67 of the plain read, with both 0.72-0.85).
+/// read from and written back to L1 instead of held in registers: one pass over whole rows in
+/// order (the one from memory) serves R rows where the registers hold less than one. The loads
+/// and stores cost little beside the transfer while a 64-byte line read stores at most 8 sums
+/// (a stream with 8 such multiply-adds per line read 0.86-0.89 of the plain read from memory,
+/// bench/stream_bench; 16 a line are bound by the stores): where R rows would store more, as
+/// four 16-bit rows do, each step takes P keys, and each sum is loaded and stored once for all.
+/// The sums live in an array of the function's own while it runs, which the compiler knows no
+/// row or weight shares: summed in acc itself, one long stream of float V rows read 0.73 of the
+/// plain read at two query rows and 0.61 at four, against 0.90 at both (scratch program, 2-core
+/// AMD EPYC, AVX2). The array is filled and emptied by a loop, not memcpy, and every step is
+/// forced inline: else GCC 12 stores every sum twice, to a stack slot of its own and to the
+/// array (four float rows over one long stream then read 0.52-0.67 of the plain read, with both
+/// 0.72-0.85). fetch.line(j, offset) is called as row j's 64-byte line at byte `offset` is
+/// read, so that lines are asked for at the pace they are used: asking for whole rows as each
+/// row began, four float rows read 0.62-0.65 of the plain read, four bf16 rows two keys a step
+/// 0.58-0.62, against 0.76-0.78 and 0.74-0.77 a line at a time (one long stream, three runs).
 template <std::size_t R, std::size_t Dim, class T, class Acc, class Fetch>
 inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows,
                                         std::size_t stride, std::size_t count, const Fetch& fetch) noexcept {
@@ -573,26 +578,34 @@ inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (
   using Reader = RowReader<T, Acc>;
   constexpr std::size_t W = kVector<Acc>;
   constexpr std::size_t S = Reader::kSplit;
-  static_assert(Dim % (S * W) == 0, "accumulate_whole_rows_in_l1: Dim must be a whole number of reads.");
+  constexpr std::size_t kRead = S * W;                                               // values a read takes
+  constexpr std::size_t P = std::max<std::size_t>(R * 64 / (sizeof(T) * W) / 8, 1);  // keys a step
+  static_assert(Dim % kRead == 0, "accumulate_whole_rows_in_l1: Dim must be a whole number of reads.");
   alignas(64) Acc sums[R][Dim];
   for (std::size_t r = 0; r < R; ++r) std::copy_n(acc[r], Dim, sums[r]);
-  for (std::size_t j = 0; j < count; ++j) {
-    const T* row = rows + j * stride;
-    fetch(j);
-    V p[R];
-    unroll<R>([&](auto r) { p[r] = splat(w[r][j]); });
-    unroll<Dim / (S * W)>([&](auto c) KVCACHE_ALWAYS_INLINE {
-      V x[S];
-      Reader::load(row + c * S * W, x);
+  const auto step = [&](std::size_t j, auto keys) KVCACHE_ALWAYS_INLINE {
+    constexpr std::size_t K = decltype(keys)::value;
+    V p[R][K];
+    unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { unroll<K>([&](auto k) { p[r][k] = splat(w[r][j + k]); }); });
+    unroll<Dim / kRead>([&](auto c) KVCACHE_ALWAYS_INLINE {
+      V x[K][S];
+      unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE {
+        if constexpr (c * kRead * sizeof(T) % 64 == 0) fetch.line(j + k, c * kRead * sizeof(T));
+        Reader::load(rows + (j + k) * stride + c * kRead, x[k]);
+      });
       unroll<S>([&](auto s) KVCACHE_ALWAYS_INLINE {
-        const V v = in_register(x[s]);
         unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE {
           Acc* const sum = sums[r] + (c * S + s) * W;
-          store_vector(sum, load_vector<V>(sum) + p[r] * v);
+          V total = load_vector<V>(sum);
+          unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE { total += p[r][k] * in_register(x[k][s]); });
+          store_vector(sum, total);
         });
       });
     });
-  }
+  };
+  std::size_t j = 0;
+  for (; j + P <= count; j += P) step(j, std::integral_constant<std::size_t, P>{});
+  for (; j < count; ++j) step(j, std::integral_constant<std::size_t, 1>{});
   for (std::size_t r = 0; r < R; ++r) std::copy_n(sums[r], Dim, acc[r]);
 }
 

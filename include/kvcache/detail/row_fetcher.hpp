@@ -74,6 +74,18 @@ class RowFetcher {
     }
   }
 
+  /// Row j's 64-byte line at byte `offset` is being read: asks for the same line of the row
+  /// ahead, for passes that ask a line at a time.
+  KVCACHE_ALWAYS_INLINE void line(std::size_t j, std::size_t offset) const noexcept {
+    if (j + ahead_ >= end_) return;
+    const char* line = rows_ + (j + ahead_) * stride_ + offset;
+    if (into_l2_) {
+      prefetch<1>(line, 1);
+    } else {
+      prefetch<3>(line, 1);
+    }
+  }
+
  private:
   /// Hints that `bytes` from `p` will be read soon; Locality as __builtin_prefetch's.
   template <int Locality>
