@@ -146,13 +146,13 @@ struct Case {
   std::size_t tokens;  // N, the whole sequence including the chunk
   WindowRule option;   // AttentionOptions window/sinks, applied for every cache
   WindowRule ring;     // the RingKvCache's own window/sinks (window 0: N, which never wraps)
-  std::size_t slack;   // the ring's slack: keys older than its window it keeps and must hide
+  std::size_t slack;   // the ring's slack: keys older than its window it keeps for truncate()
   float scale;         // 0: 1/sqrt(D)
 };
 
 // T in {1, 2, 7, 64}, N up to 2048, H_q/H_kv in {1, 2, 4, 8}, D in {32, 64, 128, 256}, with and
-// without windows and sinks, on either side. Rings with slack keep keys attention must not read;
-// a chunk longer than slack + 1 is staged as a segment of its own.
+// without windows and sinks, on either side. A ring returns a chunk's first window, which its
+// later queries must not read; a chunk longer than slack + 1 is staged as a segment of its own.
 const std::vector<Case> kCases = {
     {1, 1, 1, 32, 1, 1, {}, {}, 0, 0.0F},
     {2, 2, 2, 64, 2, 37, {}, {16, 0}, 3, 0.0F},
@@ -426,20 +426,23 @@ TEST(AttentionMask, EmptyHistoryGivesZeros) {
 }
 
 TEST(AttentionMask, RingHidesKeysOlderThanItsWindowAndKeepsSinks) {
-  // A ring of window 4, 2 sinks and slack 3 after 20 tokens holds positions 0, 1 and 13-19;
-  // query 19 may read only 0, 1 and 16-19. Values are one-hot per position (mod D).
+  // A ring of window 4 and 2 sinks, given 16 tokens one at a time and then a chunk of 4, returns
+  // positions 0, 1 and 13-19: query 16 reads 13-16, query 19 only 0, 1 and 16-19. Values are
+  // one-hot per position (mod D).
   const std::size_t dim = 32;
   const std::size_t tokens = 20;
   std::vector<float> keys(tokens * dim, 0.0F);
   std::vector<float> values(tokens * dim, 0.0F);
   for (std::size_t j = 0; j < tokens; ++j) values[j * dim + j] = 1.0F;
-  RingKvCache<float> cache({.layers = 1, .kv_heads = 1, .head_dim = dim, .window = 4, .sinks = 2, .slack = 3});
+  RingKvCache<float> cache({.layers = 1, .kv_heads = 1, .head_dim = dim, .window = 4, .sinks = 2});
   History<float> history;
-  for (std::size_t j = 0; j < tokens; ++j) {
-    history = cache.update(0, TensorView<const float>(keys.data() + j * dim, {1, 1, 1, dim}),
-                           TensorView<const float>(values.data() + j * dim, {1, 1, 1, dim}), arange(j, 1));
+  for (std::size_t j = 0; j < tokens;) {
+    const std::size_t chunk = j < 16 ? 1 : 4;
+    history = cache.update(0, TensorView<const float>(keys.data() + j * dim, {1, 1, chunk, dim}),
+                           TensorView<const float>(values.data() + j * dim, {1, 1, chunk, dim}), arange(j, chunk));
+    j += chunk;
   }
-  ASSERT_GT(history.tokens(), 6U) << "the ring should hold slack keys for this test to mean anything";
+  ASSERT_EQ(history.tokens(), 9U) << "positions 0, 1 and 13-19";
   std::vector<float> q(dim, 0.0F);
   std::vector<float> out(dim, -1.0F);
   const std::vector<std::int64_t> position{19};

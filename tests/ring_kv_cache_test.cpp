@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -78,11 +80,11 @@ TEST_F(RingTrace, SinksStayWhileTheWindowSlides) {
       {{0, 1}, {2}},
       {{0, 1}, {2, 3}},
       {{0, 1}, {2, 3, 4}},
-      {{0, 1}, {2, 3, 4, 5}},
-      {{0, 1}, {3, 4, 5}, {6}},
-      {{0, 1}, {4, 5}, {6, 7}},
-      {{0, 1}, {5}, {6, 7, 8}},
-      {{0, 1}, {6, 7, 8, 9}},
+      {{0, 1}, {3, 4, 5}},  // 2 is held (slack), not returned: query 5 reads 3..5
+      {{0, 1}, {4, 5}, {6}},
+      {{0, 1}, {5}, {6, 7}},
+      {{0, 1}, {6, 7, 8}},
+      {{0, 1}, {7, 8, 9}},
   };
   for (std::size_t p = 0; p < expected.size(); ++p) EXPECT_EQ(feed(1), expected[p]) << "after position " << p;
 }
@@ -90,17 +92,18 @@ TEST_F(RingTrace, SinksStayWhileTheWindowSlides) {
 TEST_F(RingTrace, ChunkShorterThanTheWindowAfterTheWrapIsStagedWholeThenFolded) {
   make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
   for (int i = 0; i < 6; ++i) feed(1);
-  // Writing 6..8 in place would overwrite 3 and 4, which queries 6 and 7 still need.
-  EXPECT_EQ(feed(3), (Trace{{2, 3}, {4, 5}, {6, 7, 8}}));
+  // Writing 6..8 in place would overwrite 3 and 4, which queries 6 and 7 still need; 2, which
+  // no query of the chunk reads, is held but not returned.
+  EXPECT_EQ(feed(3), (Trace{{3}, {4, 5}, {6, 7, 8}}));
   EXPECT_EQ(feed(1), (Trace{{6, 7}, {8, 9}}));
 }
 
 TEST_F(RingTrace, ChunkLongerThanTheWindowKeepsEveryQuerysWindow) {
   make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
   for (int i = 0; i < 5; ++i) feed(1);
-  EXPECT_EQ(feed(10), (Trace{{1, 2, 3}, {4}, {5, 6, 7, 8, 9, 10, 11, 12, 13, 14}}));
-  // Folding keeps only the chunk's last window; query 15 reads 12..15 (11 is masked by window).
-  EXPECT_EQ(feed(2), (Trace{{11}, {12, 13, 14}, {15, 16}}));
+  EXPECT_EQ(feed(10), (Trace{{2, 3}, {4}, {5, 6, 7, 8, 9, 10, 11, 12, 13, 14}}));
+  // Folding keeps only the chunk's last window, 11..14; query 15 reads 12..15.
+  EXPECT_EQ(feed(2), (Trace{{12, 13, 14}, {15, 16}}));
   EXPECT_EQ(feed(1), (Trace{{14, 15}, {16, 17}}));
 }
 
@@ -114,10 +117,10 @@ TEST_F(RingTrace, FirstChunkCoveringTheSinksFillsThemOnFold) {
 TEST_F(RingTrace, ChunkAsLongAsTheWindowWhenTheRingIsFullKeepsTheWholeRing) {
   make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
   for (int i = 0; i < 4; ++i) feed(1);
-  // Query 4 needs 1..4: none of 0..3 may be overwritten by 4..7 before it reads them.
-  EXPECT_EQ(feed(4), (Trace{{0, 1, 2, 3}, {4, 5, 6, 7}}));
+  // Query 4 needs 1..4: none of 1..3 may be overwritten by 4..7 before it reads them.
+  EXPECT_EQ(feed(4), (Trace{{1, 2, 3}, {4, 5, 6, 7}}));
   EXPECT_EQ(feed(1), (Trace{{5, 6, 7}, {8}}));
-  EXPECT_EQ(feed(4), (Trace{{5, 6, 7}, {8}, {9, 10, 11, 12}}));
+  EXPECT_EQ(feed(4), (Trace{{6, 7}, {8}, {9, 10, 11, 12}}));
   EXPECT_EQ(feed(1), (Trace{{10, 11}, {12, 13}}));
 }
 
@@ -125,7 +128,7 @@ TEST_F(RingTrace, WindowOfOneHoldsOnlyTheNewestPosition) {
   make(/*window=*/1, /*sinks=*/0, /*slack=*/0);
   EXPECT_EQ(feed(1), (Trace{{0}}));
   EXPECT_EQ(feed(1), (Trace{{1}}));
-  EXPECT_EQ(feed(3), (Trace{{1}, {2, 3, 4}}));  // each query of the chunk reads only itself
+  EXPECT_EQ(feed(3), (Trace{{2, 3, 4}}));  // each query of the chunk reads only itself
   EXPECT_EQ(feed(1), (Trace{{5}}));
   EXPECT_EQ(cache_->bytes(), kv_cache_bytes(1, 1, 1 + 3, 1, 2, sizeof(float)));  // one slot + staging for 3
 }
@@ -133,16 +136,16 @@ TEST_F(RingTrace, WindowOfOneHoldsOnlyTheNewestPosition) {
 TEST_F(RingTrace, ChunkRightAfterAStagedChunkFoldsItFirst) {
   make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
   for (int i = 0; i < 6; ++i) feed(1);
-  EXPECT_EQ(feed(5), (Trace{{2, 3}, {4, 5}, {6, 7, 8, 9, 10}}));
-  // 6..10 folded (the ring keeps 7..10, what query 11 needs), then 11..15 staged.
-  EXPECT_EQ(feed(5), (Trace{{7}, {8, 9, 10}, {11, 12, 13, 14, 15}}));
+  EXPECT_EQ(feed(5), (Trace{{3}, {4, 5}, {6, 7, 8, 9, 10}}));
+  // 6..10 folded (the ring keeps 7..10; query 11 reads 8..10 of them), then 11..15 staged.
+  EXPECT_EQ(feed(5), (Trace{{8, 9, 10}, {11, 12, 13, 14, 15}}));
   EXPECT_EQ(feed(1), (Trace{{13, 14, 15}, {16}}));
 }
 
 TEST_F(RingTrace, SinksStayThroughAChunkLongerThanTheWindowAfterTheWrap) {
   make(/*window=*/3, /*sinks=*/2, /*slack=*/0);
   for (int i = 0; i < 7; ++i) feed(1);  // sinks 0, 1; ring 4..6
-  EXPECT_EQ(feed(7), (Trace{{0, 1}, {4}, {5, 6}, {7, 8, 9, 10, 11, 12, 13}}));
+  EXPECT_EQ(feed(7), (Trace{{0, 1}, {5, 6}, {7, 8, 9, 10, 11, 12, 13}}));
   EXPECT_EQ(feed(1), (Trace{{0, 1}, {12, 13}, {14}}));
   EXPECT_EQ(feed(1), (Trace{{0, 1}, {13}, {14, 15}}));
 }
@@ -150,8 +153,8 @@ TEST_F(RingTrace, SinksStayThroughAChunkLongerThanTheWindowAfterTheWrap) {
 TEST_F(RingTrace, ZeroTokenUpdateFoldsAStagedChunkAndKeepsWhatTheNextQueryNeeds) {
   make(/*window=*/4, /*sinks=*/0, /*slack=*/0);
   for (int i = 0; i < 6; ++i) feed(1);
-  EXPECT_EQ(feed(3), (Trace{{2, 3}, {4, 5}, {6, 7, 8}}));
-  EXPECT_EQ(feed(0), (Trace{{5, 6, 7}, {8}}));
+  EXPECT_EQ(feed(3), (Trace{{3}, {4, 5}, {6, 7, 8}}));
+  EXPECT_EQ(feed(0), (Trace{{6, 7}, {8}}));
   EXPECT_EQ(cache_->length(), 9U);
   EXPECT_EQ(feed(1), (Trace{{6, 7}, {8, 9}}));
 }
@@ -159,10 +162,10 @@ TEST_F(RingTrace, ZeroTokenUpdateFoldsAStagedChunkAndKeepsWhatTheNextQueryNeeds)
 TEST_F(RingTrace, SlackLetsAChunkOfSlackPlusOneGoStraightIntoTheRing) {
   make(/*window=*/4, /*sinks=*/0, /*slack=*/2);
   for (int i = 0; i < 8; ++i) feed(1);
-  EXPECT_EQ(feed(3), (Trace{{5}, {6, 7, 8, 9, 10}}));  // slack + 1 tokens: written in place
-  EXPECT_EQ(feed(2), (Trace{{7, 8, 9, 10, 11}, {12}}));
-  EXPECT_EQ(cache_->bytes(), kv_cache_bytes(1, 1, 6, 1, 2, sizeof(float)));      // the ring alone
-  EXPECT_EQ(feed(4), (Trace{{7, 8, 9, 10, 11}, {12}, {13, 14, 15, 16}}));        // more: staged
+  EXPECT_EQ(feed(3), (Trace{{5}, {6, 7, 8, 9, 10}}));                        // slack + 1 tokens: written in place
+  EXPECT_EQ(feed(2), (Trace{{8, 9, 10, 11}, {12}}));                         // 7 is held for truncate(), not returned
+  EXPECT_EQ(cache_->bytes(), kv_cache_bytes(1, 1, 6, 1, 2, sizeof(float)));  // the ring alone
+  EXPECT_EQ(feed(4), (Trace{{10, 11}, {12}, {13, 14, 15, 16}}));             // more: staged
   EXPECT_EQ(cache_->bytes(), kv_cache_bytes(1, 1, 6 + 4, 1, 2, sizeof(float)));  // ring + staging for 4
 }
 
@@ -172,7 +175,7 @@ TEST_F(RingTrace, TruncateWithinSlackAfterTheWrapIsExact) {
   cache_->truncate(7);                   // query 7 needs 4..7: held
   EXPECT_EQ(cache_->length(), 7U);
   EXPECT_EQ(feed(1), (Trace{{4, 5}, {6, 7}}));
-  EXPECT_EQ(feed(1), (Trace{{4, 5}, {6, 7, 8}}));
+  EXPECT_EQ(feed(1), (Trace{{5}, {6, 7, 8}}));
 }
 
 TEST_F(RingTrace, TruncateBeyondWhatIsHeldThrowsAndChangesNothing) {
@@ -185,7 +188,7 @@ TEST_F(RingTrace, TruncateBeyondWhatIsHeldThrowsAndChangesNothing) {
     EXPECT_THAT(e.what(), ::testing::AllOf(::testing::HasSubstr(">= 7"), ::testing::HasSubstr("given 6")));
   }
   EXPECT_EQ(cache_->length(), 10U);
-  EXPECT_EQ(feed(1), (Trace{{5}, {6, 7, 8, 9, 10}}));
+  EXPECT_EQ(feed(1), (Trace{{7, 8, 9, 10}}));
 }
 
 TEST_F(RingTrace, SlackCountsFromTheFurthestLengthNotFromTheLastRollback) {
@@ -202,7 +205,7 @@ TEST_F(RingTrace, SlackCountsFromTheFurthestLengthNotFromTheLastRollback) {
     EXPECT_THAT(e.what(), ::testing::AllOf(::testing::HasSubstr(">= 10"), ::testing::HasSubstr("given 9")));
   }
   EXPECT_EQ(cache_->length(), 11U);
-  EXPECT_EQ(feed(1), (Trace{{7, 8, 9}, {10, 11}}));  // nothing was lost by the failed call
+  EXPECT_EQ(feed(1), (Trace{{8, 9}, {10, 11}}));  // nothing was lost by the failed call
 }
 
 TEST_F(RingTrace, TruncateIntoAStagedChunkKeepsItsHead) {
@@ -224,11 +227,11 @@ TEST_F(RingTrace, TruncateToTheLengthAfterAStagedChunkChangesNothing) {
 
 TEST_F(RingTrace, TruncateBackToTheStartOfAStagedChunkForgetsAllOfIt) {
   make(/*window=*/4, /*sinks=*/1, /*slack=*/0);
-  for (int i = 0; i < 7; ++i) feed(1);                                      // sink 0; ring 3..6
-  EXPECT_EQ(feed(6), (Trace{{0}, {3, 4}, {5, 6}, {7, 8, 9, 10, 11, 12}}));  // a rejected draft
+  for (int i = 0; i < 7; ++i) feed(1);                                   // sink 0; ring 3..6
+  EXPECT_EQ(feed(6), (Trace{{0}, {4}, {5, 6}, {7, 8, 9, 10, 11, 12}}));  // a rejected draft
   cache_->truncate(7);
   EXPECT_EQ(cache_->length(), 7U);
-  EXPECT_EQ(feed(2), (Trace{{0}, {3, 4}, {5, 6}, {7, 8}}));  // as if 7..12 had never come
+  EXPECT_EQ(feed(2), (Trace{{0}, {4}, {5, 6}, {7, 8}}));  // as if 7..12 had never come
 }
 
 TEST_F(RingTrace, TruncateIntoTheSinksAfterTheWrapStartsTheRingAfresh) {
@@ -259,6 +262,39 @@ TEST(RingRollback, AnyRollbackIntoTheLastChunkSucceedsAfterTheWrap) {
                                                           << slack << " chunk " << tokens << " keep " << keep;
             ASSERT_EQ(cache.length(), start + keep);
           }
+        }
+      }
+    }
+  }
+}
+
+TEST(RingHistory, ReturnsExactlyThePositionsTheQueriesOfAnUpdateRead) {
+  // Query p reads the sinks and p - window < k <= p, so an update of T tokens from position q
+  // returns the sinks and q - window + 1 .. q + T - 1: window + T - 1 keys besides the sinks once
+  // the ring is full, whatever the slack holds for truncate() and however the chunk is staged.
+  const std::vector<std::size_t> chunks = {1, 3, 1, 1, 7, 2, 1, 12, 1, 5, 1, 1, 2, 9, 1};
+  for (std::size_t window = 1; window <= 5; ++window) {
+    for (std::size_t sinks = 0; sinks <= 2; ++sinks) {
+      for (std::size_t slack = 0; slack <= 3; ++slack) {
+        RingKvCache<float> cache(
+            {.layers = 1, .kv_heads = 1, .head_dim = 2, .window = window, .sinks = sinks, .slack = slack});
+        std::size_t length = 0;
+        for (const std::size_t tokens : chunks) {
+          const Block<float> chunk({1, 1, tokens, 2}, 4);
+          const auto history = cache.update(0, chunk.view(), chunk.view(), arange(length, tokens));
+          std::vector<std::int64_t> returned;
+          for (const auto& segment : history.segments) {
+            returned.insert(returned.end(), segment.positions.begin(), segment.positions.end());
+          }
+          std::vector<std::int64_t> read;
+          const std::size_t end = length + tokens;
+          for (std::size_t p = 0; p < std::min(sinks, end); ++p) read.push_back(static_cast<std::int64_t>(p));
+          for (std::size_t p = std::max(sinks, length + 1 > window ? length + 1 - window : 0); p < end; ++p) {
+            read.push_back(static_cast<std::int64_t>(p));
+          }
+          ASSERT_EQ(returned, read) << "window " << window << " sinks " << sinks << " slack " << slack << ", " << tokens
+                                    << " tokens from position " << length;
+          length = end;
         }
       }
     }

@@ -65,9 +65,9 @@ class RingKvCache : public detail::CacheBase {
   }
 
   /// Writes k, v [B, H_kv, T, D] for `positions` (which must continue this layer's length) and
-  /// returns what attention may read: the sinks, the held ring (one or two segments) and, for
-  /// a long chunk, the chunk itself. Throws std::out_of_range (layer), std::invalid_argument
-  /// (shapes, positions) or std::length_error (capacity); the cache is unchanged then.
+  /// returns what attention may read: the sinks, the ring's keys from the first query's window
+  /// on (one or two segments) and, for a long chunk, the chunk itself. Throws std::out_of_range (layer),
+  /// std::invalid_argument (shapes, positions) or std::length_error (capacity); the cache is unchanged then.
   History<T> update(std::size_t layer, TensorView<const T> k, TensorView<const T> v,
                     std::span<const std::int64_t> positions) {
     const std::size_t length = check_update(layer, k, v, positions, capacity_);
@@ -89,7 +89,7 @@ class RingKvCache : public detail::CacheBase {
       std::copy(positions.begin(), positions.end(), state.staging.positions.begin());
     }
     set_length(layer, length + tokens);
-    return history(state, length + tokens);
+    return history(state, length, length + tokens);
   }
 
   /// The most tokens a sequence may reach (config.capacity, or unbounded).
@@ -207,8 +207,10 @@ class RingKvCache : public detail::CacheBase {
           staging_view(state.staging.values, state.staging.tokens).tokens(0, staged), state.stored_end);
   }
 
-  /// The segments attention may read for a layer holding `length` tokens, oldest first.
-  History<T> history(Layer& state, std::size_t length) {
+  /// The segments attention may read for a layer holding `length` tokens whose queries start at
+  /// position `first_query`, oldest first: the sinks, then the held positions from the first
+  /// query's window on (older ones, kept for truncate() or overwritten later, no query reads).
+  History<T> history(Layer& state, std::size_t first_query, std::size_t length) {
     std::size_t count = 0;
     const auto add = [&](TensorView<const T> keys, TensorView<const T> values, const std::int64_t* positions,
                          std::size_t tokens) {
@@ -219,7 +221,8 @@ class RingKvCache : public detail::CacheBase {
           state.positions.data() + slot, tokens);
     };
     if (const std::size_t sink_count = std::min(sinks_, state.stored_end); sink_count != 0) add_slots(0, sink_count);
-    const std::size_t from = std::max(sinks_, state.oldest);
+    const std::size_t window_start = first_query + 1 > window_ ? first_query + 1 - window_ : 0;
+    const std::size_t from = std::max({sinks_, state.oldest, window_start});
     if (state.stored_end > from) {
       const std::size_t held = state.stored_end - from;
       const std::size_t first_slot = slot_of(from);

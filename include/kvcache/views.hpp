@@ -182,8 +182,8 @@ struct Segment {
 /// Everything attention may read for one layer, returned by a cache's update().
 ///
 /// Valid until the next mutating call (update, truncate, reset) on that layer, like an
-/// iterator. `window` and `sinks` carry the cache's own visibility rule (a ring keeps a few
-/// older keys than its window for rollback; attention must not read them): 0 means none.
+/// iterator. `window` and `sinks` carry the cache's own visibility rule (a ring returns the
+/// window of a chunk's first query, older than its later queries may read): 0 means none.
 template <class T>
 struct History {
   std::span<const Segment<T>> segments;
