@@ -593,13 +593,13 @@ inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (
   static_assert(Dim % kRead == 0, "accumulate_whole_rows_in_l1: Dim must be a whole number of reads.");
   alignas(64) Acc sums[R][Dim];
   for (std::size_t r = 0; r < R; ++r) std::copy_n(acc[r], Dim, sums[r]);
-  const auto step = [&](std::size_t j, auto keys) KVCACHE_ALWAYS_INLINE {
-    constexpr std::size_t K = decltype(keys)::value;
-    V p[R][K];
-    unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { unroll<K>([&](auto k) { p[r][k] = splat(w[r][j + k]); }); });
+  std::size_t j = 0;
+  for (; j + P <= count; j += P) {
+    V p[R][P];
+    unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { unroll<P>([&](auto k) { p[r][k] = splat(w[r][j + k]); }); });
     unroll<Dim / kRead>([&](auto c) KVCACHE_ALWAYS_INLINE {
-      V x[K][S];
-      unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE {
+      V x[P][S];
+      unroll<P>([&](auto k) KVCACHE_ALWAYS_INLINE {
         if constexpr (c * kRead * sizeof(T) % 64 == 0) fetch.line(j + k, c * kRead * sizeof(T));
         Reader::load(rows + (j + k) * stride + c * kRead, x[k]);
       });
@@ -607,15 +607,24 @@ inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (
         unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE {
           Acc* const sum = sums[r] + (c * S + s) * W;
           V total = load_vector<V>(sum);
-          unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE { total += p[r][k] * in_register(x[k][s]); });
+          unroll<P>([&](auto k) KVCACHE_ALWAYS_INLINE { total += p[r][k] * in_register(x[k][s]); });
           store_vector(sum, total);
         });
       });
     });
-  };
-  std::size_t j = 0;
-  for (; j + P <= count; j += P) step(j, std::integral_constant<std::size_t, P>{});
-  for (; j < count; ++j) step(j, std::integral_constant<std::size_t, 1>{});
+  }
+  for (; j < count; ++j) {  // fewer than P keys left: one at a time, in a loop not unrolled
+    for (std::size_t c = 0; c < Dim / kRead; ++c) {
+      V x[S];
+      Reader::load(rows + j * stride + c * kRead, x);
+      for (std::size_t s = 0; s < S; ++s) {
+        for (std::size_t r = 0; r < R; ++r) {
+          Acc* const sum = sums[r] + (c * S + s) * W;
+          store_vector(sum, load_vector<V>(sum) + splat(w[r][j]) * x[s]);
+        }
+      }
+    }
+  }
   for (std::size_t r = 0; r < R; ++r) std::copy_n(sums[r], Dim, acc[r]);
 }
 
