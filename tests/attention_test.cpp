@@ -468,17 +468,17 @@ std::vector<std::int64_t> spread(std::size_t count, std::size_t step) {
 
 TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
   // Attention is a sum over keys: a history whose rows come in another order, each with its own
-  // position, gives the same output. 300 queries at positions 0, 7, ..., 2,093 over 2,000 keys
-  // (several tiles, most of them partly visible to a block of queries), the keys in order,
-  // reversed, and shuffled.
+  // position, gives the same output. Over 2,000 keys (several tiles), in order, reversed and
+  // shuffled: 300 queries at positions 0, 7, ..., 2,093 (most tiles partly visible to a block
+  // of queries), and one query at 999, which sees half of every tile but in order.
   const std::size_t dim = 64;
   const std::size_t tokens = 2000;
-  const std::size_t chunk = 300;
   const Block<float> k({1, 1, tokens, dim}, 11);
   const Block<float> v({1, 1, tokens, dim}, 12);
-  const Block<float> q({1, 2, chunk, dim}, 13);
-  const std::vector<std::int64_t> q_positions = spread(chunk, 7);
-  const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), 0.125, {{}});
+  const Block<float> chunk_q({1, 2, 300, dim}, 13);
+  const Block<float> decode_q({1, 4, 1, dim}, 14);
+  const std::vector<std::int64_t> chunk_positions = spread(300, 7);
+  const std::vector<std::int64_t> decode_positions{999};
   std::vector<std::size_t> order(tokens);
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::vector<std::size_t> shuffled = order;
@@ -499,11 +499,15 @@ TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
     }
     const Segment<float> segment{TensorView<const float>(keys.data(), {1, 1, tokens, dim}),
                                  TensorView<const float>(values.data(), {1, 1, tokens, dim}), positions};
-    std::vector<float> out(q.data.size(), std::numeric_limits<float>::quiet_NaN());
-    causal_attention(q.view(), q_positions, History<float>{std::span(&segment, 1)},
-                     TensorView<float>(out.data(), q.shape));
     const char* name = rows == &order ? "in order" : rows == &reversed ? "reversed" : "shuffled";
-    EXPECT_LE(max_error<float>(TensorView<const float>(out.data(), q.shape), want), 2e-5) << name;
+    for (const auto& [q, q_positions] : {std::pair{&chunk_q, &chunk_positions}, {&decode_q, &decode_positions}}) {
+      const Dense want = reference_attention(exact(*q), *q_positions, exact(k), exact(v), 0.125, {{}});
+      std::vector<float> out(q->data.size(), std::numeric_limits<float>::quiet_NaN());
+      causal_attention(q->view(), *q_positions, History<float>{std::span(&segment, 1)},
+                       TensorView<float>(out.data(), q->shape));
+      EXPECT_LE(max_error<float>(TensorView<const float>(out.data(), q->shape), want), 2e-5)
+          << name << ", T = " << q_positions->size();
+    }
   }
 }
 
