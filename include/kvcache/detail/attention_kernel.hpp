@@ -407,14 +407,14 @@ class AttentionKernel {
                         }
                       };
                       accumulate(group, w, i, values, stride, count, fetch_and_weigh);
+                      for (std::size_t r = 0; r < R; ++r) w.sum[w.active[i + r]] += sum_of(scores[r], count);
                       return;
                     }
                   }
-                  for (std::size_t r = 0; r < R; ++r) weigh(scores[r], count, max[r]);
+                  for (std::size_t r = 0; r < R; ++r) w.sum[w.active[i + r]] += weigh(scores[r], count, max[r]);
                   accumulate(group, w, i, values, stride, count, i == 0 ? fetch : none);
                 });
               });
-    for (const std::size_t r : w.active) w.sum[r] += sum_of(w.scores.get() + r * tile_, count);
   }
 
   /// Sets the scores of the keys `query` may not see to -inf. Over ascending positions the keys
@@ -684,7 +684,7 @@ class AttentionKernel {
 
   /// Online softmax, first half: raises a row's running max to its tile's, rescaling the running
   /// sum and accumulator when it grows. Returns false when no key of the tile is visible to the
-  /// row. weigh() then turns the scores into weights against that max; their sum is added after.
+  /// row. weigh() then turns the scores into weights against that max and sums them.
   bool rescale_for_tile(const Acc* scores, std::size_t count, Acc& max, Acc& sum, Acc* acc) const noexcept {
     const Acc tile_max = max_of(scores, count);
     if (tile_max == -std::numeric_limits<Acc>::infinity()) return false;
@@ -698,15 +698,26 @@ class AttentionKernel {
   }
 
   /// scores[j] = e^(scores[j] - max) for j < n: whole registers by the lane-wise exp, the tail
-  /// by the scalar one.
-  KVCACHE_ALWAYS_INLINE static void weigh(Acc* scores, std::size_t n, Acc max) noexcept {
+  /// by the scalar one. Returns their sum, added as sum_of adds (the pass over V that weighs as
+  /// it goes discards it and calls sum_of after).
+  KVCACHE_ALWAYS_INLINE static Acc weigh(Acc* scores, std::size_t n, Acc max) noexcept {
+    using V = Vector<Acc>;
     std::size_t j = 0;
+    Acc total = 0;
     if constexpr (KVCACHE_VECTOR_EXP && std::is_same_v<Acc, float>) {
+      V lanes = splat(Acc{0});
       for (; j + kW <= n; j += kW) {
-        store_vector(scores + j, exp_nonpositive(load_vector<Vector<Acc>>(scores + j) - splat(max)));
+        const V weights = exp_nonpositive(load_vector<V>(scores + j) - splat(max));
+        store_vector(scores + j, weights);
+        lanes += weights;
       }
+      total = fold_halves<kW / 2>(lanes, [](const V& a, const V& b) { return a + b; })[0];
     }
-    for (; j < n; ++j) scores[j] = exp_nonpositive(scores[j] - max);
+    for (; j < n; ++j) {
+      scores[j] = exp_nonpositive(scores[j] - max);
+      total += scores[j];
+    }
+    return total;
   }
 
   TensorView<const Q> q_;
