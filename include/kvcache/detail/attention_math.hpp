@@ -566,11 +566,14 @@ inline void accumulate_two_and_halves(Acc* const (&acc)[4], const Acc* const (&w
 
 /// acc[r] += sum_j w[r][j] * rows[j] for R query rows over whole rows of Dim values, the sums
 /// read from and written back to L1 instead of held in registers: one pass over whole rows in
-/// order (the one from memory) serves R rows where the registers hold less than one. The loads
-/// and stores cost little beside the transfer while a 64-byte line read stores at most 8 sums
-/// (a stream with 8 such multiply-adds per line read 0.86-0.89 of the plain read from memory,
-/// bench/stream_bench; 16 a line are bound by the stores): where R rows would store more, as
-/// four 16-bit rows do, each step takes P keys, and each sum is loaded and stored once for all.
+/// order (the one from memory) serves R rows where the registers hold less than one. The stores
+/// set the pace unless each is shared: 16-bit rows take two keys a step (P), each sum loaded and
+/// stored once for both. Four 16-bit rows one key a step store 16 sums per 64-byte line read
+/// (0.30-0.57 of the plain read over one long stream); two rows a key at a time take 15-16 ns a
+/// key in cache and two keys a step 9-10 (bf16 at H_q = 16, one core, medians of two sets of
+/// three interleaved pairs of runs: 0.76-0.77 -> 0.79-0.81). Float rows, twice the bytes a key,
+/// take one: two float keys a step ran faster in cache but slower from memory (four rows at
+/// H_q = 32, one core: 0.81 -> 0.72).
 /// The sums live in an array of the function's own while it runs, which the compiler knows no
 /// row or weight shares: summed in acc itself, one long stream of float V rows read 0.73 of the
 /// plain read at two query rows and 0.61 at four, against 0.90 at both (scratch program, 2-core
@@ -588,8 +591,8 @@ inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (
   using Reader = RowReader<T, Acc>;
   constexpr std::size_t W = kVector<Acc>;
   constexpr std::size_t S = Reader::kSplit;
-  constexpr std::size_t kRead = S * W;                                               // values a read takes
-  constexpr std::size_t P = std::max<std::size_t>(R * 64 / (sizeof(T) * W) / 8, 1);  // keys a step
+  constexpr std::size_t kRead = S * W;                        // values a read takes
+  constexpr std::size_t P = sizeof(T) < sizeof(Acc) ? 2 : 1;  // keys a step
   static_assert(Dim % kRead == 0, "accumulate_whole_rows_in_l1: Dim must be a whole number of reads.");
   alignas(64) Acc sums[R][Dim];
   for (std::size_t r = 0; r < R; ++r) std::copy_n(acc[r], Dim, sums[r]);
