@@ -470,7 +470,7 @@ TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
   // Attention is a sum over keys: a history whose rows come in another order, each with its own
   // position, gives the same output. Over 2,000 keys (several tiles), in order, reversed and
   // shuffled: 300 queries at positions 0, 7, ..., 2,093 (most tiles partly visible to a block
-  // of queries), and one query at 999, which sees half of every tile but in order.
+  // of queries), and one decode query at 999, which sees the keys up to it.
   const std::size_t dim = 64;
   const std::size_t tokens = 2000;
   const Block<float> k({1, 1, tokens, dim}, 11);
@@ -479,6 +479,15 @@ TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
   const Block<float> decode_q({1, 4, 1, dim}, 14);
   const std::vector<std::int64_t> chunk_positions = spread(300, 7);
   const std::vector<std::int64_t> decode_positions{999};
+  struct Queries {
+    const Block<float>& q;
+    const std::vector<std::int64_t>& positions;
+    Dense want;
+  };
+  const Queries queries[] = {
+      {chunk_q, chunk_positions, reference_attention(exact(chunk_q), chunk_positions, exact(k), exact(v), 0.125, {{}})},
+      {decode_q, decode_positions,
+       reference_attention(exact(decode_q), decode_positions, exact(k), exact(v), 0.125, {{}})}};
   std::vector<std::size_t> order(tokens);
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::vector<std::size_t> shuffled = order;
@@ -500,13 +509,12 @@ TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
     const Segment<float> segment{TensorView<const float>(keys.data(), {1, 1, tokens, dim}),
                                  TensorView<const float>(values.data(), {1, 1, tokens, dim}), positions};
     const char* name = rows == &order ? "in order" : rows == &reversed ? "reversed" : "shuffled";
-    for (const auto& [q, q_positions] : {std::pair{&chunk_q, &chunk_positions}, {&decode_q, &decode_positions}}) {
-      const Dense want = reference_attention(exact(*q), *q_positions, exact(k), exact(v), 0.125, {{}});
-      std::vector<float> out(q->data.size(), std::numeric_limits<float>::quiet_NaN());
-      causal_attention(q->view(), *q_positions, History<float>{std::span(&segment, 1)},
-                       TensorView<float>(out.data(), q->shape));
-      EXPECT_LE(max_error<float>(TensorView<const float>(out.data(), q->shape), want), 2e-5)
-          << name << ", T = " << q_positions->size();
+    for (const Queries& c : queries) {
+      std::vector<float> out(c.q.data.size(), std::numeric_limits<float>::quiet_NaN());
+      causal_attention(c.q.view(), c.positions, History<float>{std::span(&segment, 1)},
+                       TensorView<float>(out.data(), c.q.shape));
+      EXPECT_LE(max_error<float>(TensorView<const float>(out.data(), c.q.shape), c.want), 2e-5)
+          << name << ", T = " << c.positions.size();
     }
   }
 }

@@ -137,9 +137,9 @@ class AttentionKernel {
     offsets_.reserve(segments_.size() + 1);
     offsets_.push_back(0);
     for (const Segment<T>& s : segments_) offsets_.push_back(offsets_.back() + s.tokens());
-    // Found for decode too: there a tile's first and last positions then bound it, where
-    // scanning every tile's positions for each kv head had taken 2% of the time (bf16 at
-    // H_q = 32, one core, S = 32,768; 2-core AMD EPYC).
+    // Found for every call, decode included: a tile of ascending positions is then bounded by its
+    // first and last, where decode had scanned every tile's positions for each kv head (2% of a
+    // call: bf16 at H_q = 32, one core, S = 32,768; 2-core AMD EPYC).
     ascending_.reserve(segments_.size());
     for (const Segment<T>& s : segments_) ascending_.push_back(std::is_sorted(s.positions.begin(), s.positions.end()));
   }
