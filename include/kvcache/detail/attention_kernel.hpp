@@ -470,11 +470,8 @@ class AttentionKernel {
   static constexpr bool kWeighInPass = true;
 #endif
 
-  /// Four rows whose first pass over V gives two of them whole rows and the other two first
-  /// halves (accumulate_two_and_halves), then the second halves from cache.
-  struct TwoAndHalves {};
-  /// R rows whose one pass over V reads whole rows and keeps all R rows' sums in L1
-  /// (accumulate_whole_rows_in_l1), where the registers hold less than one whole row.
+  /// R rows whose one pass over V reads whole rows and keeps the sums of those the registers do
+  /// not hold in L1 (accumulate_whole_rows_in_l1).
   template <std::size_t R>
   struct ThroughL1 {};
   /// The head size ThroughL1 is compiled for (the one measured).
@@ -485,7 +482,6 @@ class AttentionKernel {
   static constexpr std::size_t rows_of(std::integral_constant<std::size_t, R>) noexcept {
     return R;
   }
-  static constexpr std::size_t rows_of(TwoAndHalves) noexcept { return 4; }
   template <std::size_t R>
   static constexpr std::size_t rows_of(ThroughL1<R>) noexcept {
     return R;
@@ -499,32 +495,37 @@ class AttentionKernel {
   static constexpr bool sums_in_l1(ThroughL1<R>) noexcept {
     return true;
   }
-  static constexpr bool kTwoAndHalves = kVectorBytes == 64 && kBlockRegisters<2, Stored, Acc> % 2 == 0 &&
-                                        kBlockRegisters<2, Stored, Acc> / 2 % RowReader<Stored, Acc>::kSplit == 0;
-
   /// The rows of the first group of for_each_value_group when it keeps its sums in L1 (ThroughL1),
-  /// given n active rows; 0 when it does not. Under AVX2 at D = 128, where one row's sums take
-  /// all 16 registers: four rows, or two. (Four 16-bit rows store their sums once for two keys,
-  /// see accumulate_whole_rows_in_l1: bf16 and half at H_q = 32, one core, S = 16,384 and 32,768,
-  /// 0.47-0.61 -> 0.65-0.74 of the plain read against two rows through L1 and two from cache,
-  /// two interleaved pairs of runs; 2-core AMD EPYC.)
+  /// given n active rows; 0 when it does not. At D = 128 under AVX2 or AVX-512: four rows, whose
+  /// sums no register file holds; two where the registers do not hold theirs either (AVX2, where
+  /// one row's take all 16). Under AVX2, four 16-bit rows store their sums once for two keys (see
+  /// accumulate_whole_rows_in_l1): bf16 and half at H_q = 32, one core, S = 16,384 and 32,768,
+  /// 0.47-0.61 -> 0.65-0.74 of the plain read against two rows through L1 and two from cache, two
+  /// interleaved pairs of runs (2-core AMD EPYC). Under AVX-512, four rows in one pass, two of
+  /// them held in registers, against two whole rows and two first halves, then the second halves
+  /// from cache (which left the memory idle while it ran): H_q = 32, S = 16,384 and 32,768, one
+  /// core float / bf16 / half 0.79-0.82 / 0.64-0.73 / 0.67-0.76 -> 0.81-0.85 / 0.71-0.77 /
+  /// 0.69-0.79, two cores 0.75-0.81 / 0.66-0.84 / 0.67-0.92 -> 0.81-0.93 / 0.72-0.89 / 0.74-0.95
+  /// (three runs of 15 interleaved calls each, 2-core AMD EPYC with AVX-512).
   [[nodiscard]] std::size_t rows_through_l1(std::size_t n) const noexcept {
-    if (kVectorBytes != 32 || dim_ != kThroughL1Dim) return 0;
+    if (kVectorBytes < 32 || dim_ != kThroughL1Dim) return 0;
     if (n >= 4) return 4;
-    if (n >= 2) return 2;
+    if (n >= 2 && dim_ > whole_row<2>()) return 2;
     return 0;
   }
+  /// The rows of a ThroughL1<R> group whose sums stay in registers: as many whole rows as half
+  /// the registers hold, the other half left to the rows read and the weights.
+  template <std::size_t R>
+  static constexpr std::size_t kHeldRows = std::min<std::size_t>(R - 1, kAccumulators / (kThroughL1Dim / kW));
 
   /// Calls f(std::integral_constant<std::size_t, R>{}, i) for groups of rows [i, i + R) covering
   /// [0, n), each of which reads a tile's V rows once for all its rows. The first group takes
   /// the tile from memory and reads row after row in order, which the hardware prefetcher
   /// follows (it does not follow a pass over half rows, then over the other halves): as many
-  /// rows as keep a whole V row in registers (whole_row), or, where two do and four do not,
-  /// f(TwoAndHalves{}, i) for four (at H_q = 4 H_kv, D = 128, one core read float 0.02 and
-  /// bf16 0.03 closer to the plain read on average than with two rows of whole rows and two more
-  /// from cache; AVX-512 AMD EPYC). Under AVX2, where only one row keeps a whole row (D = 128),
-  /// the rows of rows_through_l1 with their sums in L1 (ThroughL1), so that the one pass over V,
-  /// from memory, serves them all: two rows, medians of `vs_read` over twelve interleaved pairs
+  /// rows as keep a whole V row in registers (whole_row), else the rows of rows_through_l1 with
+  /// the sums the registers do not hold in L1 (ThroughL1), so that the one pass over V, from
+  /// memory, serves them all. Under AVX2, where only one row keeps a whole row (D = 128): two
+  /// rows, medians of `vs_read` over twelve interleaved pairs
   /// of runs (S = 16,384 and 32,768), float / bf16 / half: one core 0.68 / 0.64 / 0.65 -> 0.69 /
   /// 0.69 / 0.67, two cores 0.73 / 0.70 / 0.71 -> 0.76 / 0.73 / 0.75, against one row whole and
   /// one from cache (2-core AMD EPYC). Else that one row (float at four query rows per kv head,
@@ -541,15 +542,12 @@ class AttentionKernel {
     if (n >= 4 && dim_ <= whole_row<4>()) {
       f(Four{}, i);
       i += 4;
-    } else if (kTwoAndHalves && n >= 4 && dim_ == whole_row<2>()) {
-      f(TwoAndHalves{}, i);
+    } else if (through_l1 == 4) {
+      f(ThroughL1<4>{}, i);
       i += 4;
     } else if (n >= 2 && dim_ <= whole_row<2>()) {
       f(Two{}, i);
       i += 2;
-    } else if (through_l1 == 4) {
-      f(ThroughL1<4>{}, i);
-      i += 4;
     } else if (through_l1 == 2) {
       f(ThroughL1<2>{}, i);
       i += 2;
@@ -663,23 +661,7 @@ class AttentionKernel {
     Acc* acc[R];
     const Acc* weights[R];
     sums_and_weights(w, i, acc, weights);
-    accumulate_whole_rows_in_l1<R, kThroughL1Dim>(acc, weights, values, stride, count, fetch);
-  }
-
-  /// The same for active rows [i, i + 4) as TwoAndHalves (dim_ == whole_row<2>()).
-  template <class Fetch>
-  void accumulate(TwoAndHalves, Workspace& w, std::size_t i, const Stored* values, std::size_t stride,
-                  std::size_t count, const Fetch& fetch) const noexcept {
-    if constexpr (kTwoAndHalves) {
-      constexpr std::size_t C = kBlockRegisters<2, Stored, Acc>;
-      Acc* acc[4];
-      const Acc* weights[4];
-      sums_and_weights(w, i, acc, weights);
-      accumulate_two_and_halves<C>(acc, weights, values, stride, count, fetch);
-      Acc* const halves[2] = {acc[2], acc[3]};
-      const Acc* const halves_weights[2] = {weights[2], weights[3]};
-      accumulate_rows<2, C / 2>(halves, halves_weights, values, stride, count, dim_, RowFetcher{}, C / 2 * kW);
-    }
+    accumulate_whole_rows_in_l1<R, kThroughL1Dim, kHeldRows<R>>(acc, weights, values, stride, count, fetch);
   }
 
   /// Online softmax, first half: raises a row's running max to its tile's, rescaling the running

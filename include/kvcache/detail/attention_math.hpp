@@ -112,7 +112,7 @@ using Vector = typename VectorOf<E>::type;
 
 /// Calls f(std::integral_constant<std::size_t, i>) for i in [0, N), unrolled: arrays of
 /// registers indexed this way stay in registers. The inner lambda is forced inline too: Clang 14
-/// kept it as a call per V row in accumulate_two_and_halves (float at H_q = 4 H_kv ran at half
+/// kept it as a call per V row in a pass over V (float at H_q = 4 H_kv ran at half
 /// GCC's rate with the history in cache), and GCC 12 kept some at D = 256.
 template <std::size_t N, class F>
 KVCACHE_ALWAYS_INLINE inline void unroll(const F& f) noexcept {
@@ -525,55 +525,17 @@ inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], con
   unroll<R>([&](auto r) { unroll<C>([&](auto c) { store_vector(acc[r] + d + c * W, a[r][c]); }); });
 }
 
-/// The first pass over V rows of C registers for four query rows when only two rows of
-/// accumulators fit a whole row: rows 0 and 1 take whole rows, rows 2 and 3 the first halves,
-/// all from one pass over whole rows in order (the one from memory; fetch(j) as row j is read).
-/// Rows 2 and 3 then need only the second halves from cache, half what a second pass over
-/// whole rows reads. 3 C accumulators: only AVX-512's 32 registers hold them.
-template <std::size_t C, class T, class Acc, class Fetch>
-inline void accumulate_two_and_halves(Acc* const (&acc)[4], const Acc* const (&w)[4], const T* rows, std::size_t stride,
-                                      std::size_t count, const Fetch& fetch) noexcept {
-  using V = Vector<Acc>;
-  using Reader = RowReader<T, Acc>;
-  constexpr std::size_t W = kVector<Acc>;
-  constexpr std::size_t S = Reader::kSplit;
-  constexpr std::size_t H = C / 2;
-  static_assert(H % S == 0, "accumulate_two_and_halves: a half row must be a whole number of reads.");
-  V whole[2][C];
-  V half[2][H];
-  unroll<2>([&](auto r) { unroll<C>([&](auto c) { whole[r][c] = load_vector<V>(acc[r] + c * W); }); });
-  unroll<2>([&](auto r) { unroll<H>([&](auto c) { half[r][c] = load_vector<V>(acc[2 + r] + c * W); }); });
-  for (std::size_t j = 0; j < count; ++j) {
-    const T* row = rows + j * stride;
-    fetch(j);
-    V p[4];
-    unroll<4>([&](auto r) { p[r] = splat(w[r][j]); });
-    unroll<C / S>([&](auto c) {
-      V x[S];
-      Reader::load(row + c * S * W, x);
-      unroll<S>([&](auto s) {
-        const V v = in_register(x[s]);
-        unroll<2>([&](auto r) { whole[r][c * S + s] += p[r] * v; });
-        if constexpr (c * S + s < H) {
-          unroll<2>([&](auto r) { half[r][c * S + s] += p[2 + r] * v; });
-        }
-      });
-    });
-  }
-  unroll<2>([&](auto r) { unroll<C>([&](auto c) { store_vector(acc[r] + c * W, whole[r][c]); }); });
-  unroll<2>([&](auto r) { unroll<H>([&](auto c) { store_vector(acc[2 + r] + c * W, half[r][c]); }); });
-}
-
-/// acc[r] += sum_j w[r][j] * rows[j] for R query rows over whole rows of Dim values, the sums
-/// read from and written back to L1 instead of held in registers: one pass over whole rows in
-/// order (the one from memory) serves R rows where the registers hold less than one. The stores
-/// set the pace unless each is shared: 16-bit rows take two keys a step (P), each sum loaded and
-/// stored once for both. Four 16-bit rows one key a step store 16 sums per 64-byte line read
-/// (0.30-0.57 of the plain read over one long stream); two rows a key at a time take 15-16 ns a
-/// key in cache and two keys a step 9-10 (bf16 at H_q = 16, one core, medians of two sets of
-/// three interleaved pairs of runs: 0.76-0.77 -> 0.79-0.81). Float rows, twice the bytes a key,
-/// take one: two float keys a step ran faster in cache but slower from memory (four rows at
-/// H_q = 32, one core: 0.81 -> 0.72).
+/// acc[r] += sum_j w[r][j] * rows[j] for R query rows over whole rows of Dim values in one pass
+/// over whole rows in order (the one from memory): the first Held rows' sums in registers, the
+/// others' read from and written back to L1, where the registers hold less than all R rows.
+/// The stores set the pace unless each is shared: 16-bit rows take two keys a step (P), each
+/// sum loaded and stored once for both. Four 16-bit rows one key a step store 16 sums per
+/// 64-byte line read (0.30-0.57 of the plain read over one long stream); two rows a key at a
+/// time take 15-16 ns a key in cache and two keys a step 9-10 (bf16 at H_q = 16, one core,
+/// medians of two sets of three interleaved pairs of runs: 0.76-0.77 -> 0.79-0.81; AVX2). Float
+/// rows, twice the bytes a key, take one: two float keys a step ran faster in cache but slower
+/// from memory (four rows at H_q = 32, one core: 0.81 -> 0.72 under AVX2; 0.84 -> 0.81 under
+/// AVX-512 with two rows held).
 /// The sums live in an array of the function's own while it runs, which the compiler knows no
 /// row or weight shares: summed in acc itself, one long stream of float V rows read 0.73 of the
 /// plain read at two query rows and 0.61 at four, against 0.90 at both (scratch program, 2-core
@@ -584,7 +546,7 @@ inline void accumulate_two_and_halves(Acc* const (&acc)[4], const Acc* const (&w
 /// read, so that lines are asked for at the pace they are used: asking for whole rows as each
 /// row began, four float rows read 0.62-0.65 of the plain read, four bf16 rows two keys a step
 /// 0.58-0.62, against 0.76-0.78 and 0.74-0.77 a line at a time (one long stream, three runs).
-template <std::size_t R, std::size_t Dim, class T, class Acc, class Fetch>
+template <std::size_t R, std::size_t Dim, std::size_t Held, class T, class Acc, class Fetch>
 inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows,
                                         std::size_t stride, std::size_t count, const Fetch& fetch) noexcept {
   using V = Vector<Acc>;
@@ -593,42 +555,47 @@ inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (
   constexpr std::size_t S = Reader::kSplit;
   constexpr std::size_t kRead = S * W;                        // values a read takes
   constexpr std::size_t P = sizeof(T) < sizeof(Acc) ? 2 : 1;  // keys a step
+  constexpr std::size_t L = R - Held;                         // rows summed in L1
   static_assert(Dim % kRead == 0, "accumulate_whole_rows_in_l1: Dim must be a whole number of reads.");
-  alignas(64) Acc sums[R][Dim];
-  for (std::size_t r = 0; r < R; ++r) std::copy_n(acc[r], Dim, sums[r]);
-  std::size_t j = 0;
-  for (; j + P <= count; j += P) {
-    V p[R][P];
-    unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { unroll<P>([&](auto k) { p[r][k] = splat(w[r][j + k]); }); });
-    unroll<Dim / kRead>([&](auto c) KVCACHE_ALWAYS_INLINE {
-      V x[P][S];
-      unroll<P>([&](auto k) KVCACHE_ALWAYS_INLINE {
-        if constexpr (c * kRead * sizeof(T) % 64 == 0) fetch.line(j + k, c * kRead * sizeof(T));
-        Reader::load(rows + (j + k) * stride + c * kRead, x[k]);
-      });
-      unroll<S>([&](auto s) KVCACHE_ALWAYS_INLINE {
-        unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE {
-          Acc* const sum = sums[r] + (c * S + s) * W;
-          V total = load_vector<V>(sum);
-          unroll<P>([&](auto k) KVCACHE_ALWAYS_INLINE { total += p[r][k] * in_register(x[k][s]); });
-          store_vector(sum, total);
-        });
-      });
+  static_assert(Held < R, "accumulate_whole_rows_in_l1: at least one row is summed in L1.");
+  V held[std::max<std::size_t>(Held, 1)][Dim / W];
+  alignas(64) Acc sums[L][Dim];
+  unroll<Held>([&](auto r) { unroll<Dim / W>([&](auto c) { held[r][c] = load_vector<V>(acc[r] + c * W); }); });
+  for (std::size_t r = 0; r < L; ++r) std::copy_n(acc[Held + r], Dim, sums[r]);
+  // The keys' reads x[k] at (c, s), times each row's weights p[r][k], added to the sums of every row.
+  const auto add = [&](auto c, auto s, const auto& x, const auto& p) KVCACHE_ALWAYS_INLINE {
+    constexpr std::size_t keys = std::extent_v<std::remove_cvref_t<decltype(x)>>;
+    unroll<Held>([&](auto r) KVCACHE_ALWAYS_INLINE {
+      unroll<keys>([&](auto k) KVCACHE_ALWAYS_INLINE { held[r][c * S + s] += p[r][k] * in_register(x[k][s]); });
     });
-  }
-  for (; j < count; ++j) {  // fewer than P keys left: one at a time, in a loop not unrolled
-    for (std::size_t c = 0; c < Dim / kRead; ++c) {
-      V x[S];
-      Reader::load(rows + j * stride + c * kRead, x);
-      for (std::size_t s = 0; s < S; ++s) {
-        for (std::size_t r = 0; r < R; ++r) {
-          Acc* const sum = sums[r] + (c * S + s) * W;
-          store_vector(sum, load_vector<V>(sum) + splat(w[r][j]) * x[s]);
+    unroll<L>([&](auto r) KVCACHE_ALWAYS_INLINE {
+      Acc* const sum = sums[r] + (c * S + s) * W;
+      V total = load_vector<V>(sum);
+      unroll<keys>([&](auto k) KVCACHE_ALWAYS_INLINE { total += p[Held + r][k] * in_register(x[k][s]); });
+      store_vector(sum, total);
+    });
+  };
+  // Reads K keys from `first` (their lines asked for ahead when `fetching`) and adds them in.
+  const auto step = [&]<std::size_t K>(std::integral_constant<std::size_t, K>, std::size_t first,
+                                       bool fetching) KVCACHE_ALWAYS_INLINE {
+    V p[R][K];
+    unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { unroll<K>([&](auto k) { p[r][k] = splat(w[r][first + k]); }); });
+    unroll<Dim / kRead>([&](auto c) KVCACHE_ALWAYS_INLINE {
+      V x[K][S];
+      unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE {
+        if constexpr (c * kRead * sizeof(T) % 64 == 0) {
+          if (fetching) fetch.line(first + k, c * kRead * sizeof(T));
         }
-      }
-    }
-  }
-  for (std::size_t r = 0; r < R; ++r) std::copy_n(sums[r], Dim, acc[r]);
+        Reader::load(rows + (first + k) * stride + c * kRead, x[k]);
+      });
+      unroll<S>([&](auto s) KVCACHE_ALWAYS_INLINE { add(c, s, x, p); });
+    });
+  };
+  std::size_t j = 0;
+  for (; j + P <= count; j += P) step(std::integral_constant<std::size_t, P>{}, j, true);
+  for (; j < count; ++j) step(std::integral_constant<std::size_t, 1>{}, j, false);  // fewer than P left
+  unroll<Held>([&](auto r) { unroll<Dim / W>([&](auto c) { store_vector(acc[r] + c * W, held[r][c]); }); });
+  for (std::size_t r = 0; r < L; ++r) std::copy_n(sums[r], Dim, acc[Held + r]);
 }
 
 /// acc[r][d, dim) += sum_j w[r][j] * rows[j][d, dim) for R query rows (accumulators in lane_of
