@@ -338,11 +338,14 @@ class AttentionKernel {
       if (w.covers[t] == Cover::kNone) continue;
       for (std::size_t r = t * group_; r < (t + 1) * group_; ++r) w.readers.push_back(r);
     }
-    // The first pass over K reads the tile from memory and asks for rows ahead (RowFetcher),
-    // where it does enough arithmetic per byte: more than one float row over float K (at one,
-    // the hardware prefetcher keeps up and asking cost 10%; two and four float rows gained
-    // 5-15%, one to four bf16 rows 5-15%). The first pass over V reads whole rows in order and
-    // asks for 16-bit rows (bf16 gained 5-10% at two and four query rows, 3-11% at one; float
+    // The first pass over K reads the tile from memory and asks for rows ahead (RowFetcher)
+    // where two or more query rows share it (two and four float rows gained 5-15%, bf16 rows
+    // 5-15%). One row does so little arithmetic a byte that the hardware prefetcher keeps up,
+    // and asking cost: float 10%; bf16 and half, asking neither for K nor for V rows at one
+    // query row per kv head, one core, S = 16,384 and 32,768: 0.74-0.81 -> 0.83-0.87 of the
+    // plain read, two cores 0.71-0.82 -> 0.77-0.82 (15 interleaved calls each; the fetch policy
+    // keeps asking on Intel, where it was measured so). The first pass over V reads whole rows
+    // in order and asks for 16-bit rows (bf16 gained 5-10% at two and four query rows; float
     // lost 5-10%, and up to 30% before the tiles grew to 128 KiB), and for float rows where the
     // fetch policy says (Intel Xeon) or where that pass keeps its rows' sums in L1 (float V
     // alone at two and four query rows per kv head under AVX2, one core, S = 32,768: 1.33-1.38
@@ -350,7 +353,9 @@ class AttentionKernel {
     // interleaved runs; 2-core AMD EPYC). The other passes read the tile from cache. (All
     // measured on an AVX-512 AMD EPYC, where not said otherwise.)
     const RowFetcher none;
-    const bool fetch_keys = w.readers.size() * sizeof(Acc) >= 2 * sizeof(T);
+    constexpr bool sixteen_bit = sizeof(T) < sizeof(Acc);
+    const bool one_row_asks = sixteen_bit && fetch_policy().one_row;
+    const bool fetch_keys = w.readers.size() >= 2 || one_row_asks;
     with_rows(segment.keys, item, first, count, fetch_keys ? count + ahead : 0, w.keys,
               [&](const Stored* keys, std::size_t stride, const RowFetcher& fetch) {
                 // Four rows at a time where 32 registers hold their queries, then two, then one:
@@ -384,10 +389,10 @@ class AttentionKernel {
     // the tile from cache, or keep their sums in L1, are weighed just before their pass (16-bit
     // rows at two query rows per kv head through L1, one core: 0.67-0.74 -> 0.77-0.80, two
     // interleaved pairs of runs; 2-core AMD EPYC).
-    constexpr bool sixteen_bit = sizeof(T) < sizeof(Acc);
     // A row shorter than one read is summed by scalars, which call no hook: weighed first.
     const bool weigh_in_pass = kWeighInPass && sixteen_bit && dim_ >= RowReader<Stored, Acc>::kSplit * kW;
-    const bool fetch_values = sixteen_bit || fetch_policy().float_values || rows_through_l1(w.active.size()) != 0;
+    const bool fetch_values = (sixteen_bit && (w.active.size() >= 2 || one_row_asks)) || fetch_policy().float_values ||
+                              rows_through_l1(w.active.size()) != 0;
     with_rows(segment.values, item, first, count, fetch_values ? count + ahead : 0, w.values,
               [&](const Stored* values, std::size_t stride, const RowFetcher& fetch) {
                 for_each_value_group(w.active.size(), [&](auto group, std::size_t i) {

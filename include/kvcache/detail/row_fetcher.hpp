@@ -20,6 +20,7 @@ struct FetchPolicy {
   std::size_t ahead_bytes = 8192;  // how far ahead of the row being read
   bool into_l2 = false;            // prefetcht2 (Intel: into L2 only) instead of prefetcht0
   bool float_values = false;       // ask for float V rows too, not only 16-bit ones
+  bool one_row = false;            // ask for 16-bit rows that only one query row reads too
 };
 
 /// Whether CPUID names the vendor GenuineIntel (false off x86 or without GCC/Clang).
@@ -35,14 +36,16 @@ struct FetchPolicy {
 
 /// The policy for this processor, found once. Default (tuned on an AVX-512 AMD EPYC): 8 KiB
 /// ahead into L1 (6-8 KiB did best, 1-2 KiB too little; into L2 or twice as far 0.01-0.09
-/// worse), 16-bit V rows only (asking for float V rows lost 5-10%). On an Intel Xeon with
+/// worse), 16-bit V rows only (asking for float V rows lost 5-10%), and only rows that two or
+/// more query rows read (see AttentionKernel::run_tile). On an Intel Xeon with
 /// AVX-512 (2 vCPUs, about 16 GB/s from memory for one core), prefetcht0 holds one of L1's few
-/// fill buffers for the whole trip to memory: 16 KiB ahead into L2, float V rows included, read
+/// fill buffers for the whole trip to memory: 16 KiB ahead into L2, float V rows included (and
+/// 16-bit rows that one query row reads, as when it was measured), read
 /// 0.04-0.13 closer to the plain read of the same bytes at every H_q, S >= 16,384, one and two
 /// cores (float H_q = 32, one core: 0.78-0.81 -> 0.84-0.90); 32 or 64 KiB, or L2 far and L1
 /// 2 KiB ahead, no better.
 [[nodiscard]] inline const FetchPolicy& fetch_policy() noexcept {
-  static const FetchPolicy policy = cpu_is_intel() ? FetchPolicy{16384, true, true} : FetchPolicy{};
+  static const FetchPolicy policy = cpu_is_intel() ? FetchPolicy{16384, true, true, true} : FetchPolicy{};
   return policy;
 }
 
