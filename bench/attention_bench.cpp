@@ -60,22 +60,11 @@ constexpr std::size_t kKvHeads = 8;
 
 using kvcache::bench::median;
 using kvcache::bench::smoke_mode;
+using kvcache::bench::sum_floats;
 using kvcache::bench::time_call;
 
 /// Set when an attention output disagreed with the reference: the program then fails.
 bool wrong_output = false;
-
-/// Sums `count` floats with independent lane accumulators, so the loop is bound by memory.
-float sum_floats(const float* data, std::size_t count) {
-  constexpr std::size_t kLanes = 32;
-  float lanes[kLanes] = {};
-  std::size_t i = 0;
-  for (; i + kLanes <= count; i += kLanes) {
-    for (std::size_t l = 0; l < kLanes; ++l) lanes[l] += data[i + l];
-  }
-  for (std::size_t l = 0; i < count; ++i, ++l) lanes[l] += data[i];
-  return std::accumulate(std::begin(lanes), std::end(lanes), 0.0F);
-}
 
 /// Reads every byte of `buffers` once, split among `threads` threads (the caller's included).
 float read_all(const std::vector<std::pair<const float*, std::size_t>>& buffers, std::size_t threads) {

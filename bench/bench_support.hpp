@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdlib>
+#include <iterator>
+#include <numeric>
 #include <string_view>
 #include <vector>
 
@@ -37,6 +39,19 @@ inline double median(std::vector<double>& seconds) {
   const auto middle = seconds.begin() + static_cast<std::ptrdiff_t>(seconds.size() / 2);
   std::nth_element(seconds.begin(), middle, seconds.end());
   return *middle;
+}
+
+/// Sums `count` floats with independent lane accumulators, so the loop is bound by memory: the
+/// plain read that decode attention is measured against.
+inline float sum_floats(const float* data, std::size_t count) {
+  constexpr std::size_t kLanes = 32;
+  float lanes[kLanes] = {};
+  std::size_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    for (std::size_t l = 0; l < kLanes; ++l) lanes[l] += data[i + l];
+  }
+  for (std::size_t l = 0; i < count; ++i, ++l) lanes[l] += data[i];
+  return std::accumulate(std::begin(lanes), std::end(lanes), 0.0F);
 }
 
 /// KVCACHE_BENCH_SMOKE set (and not "0"): register only tiny cases, so CI runs every path in seconds.

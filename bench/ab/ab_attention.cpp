@@ -1,0 +1,189 @@
+// SPDX-License-Identifier: Apache-2.0
+// Decode attention of several revisions of the library, timed in turn on the same memory:
+// bench/ab/run.sh builds one copy of the kernel per revision (bench/ab/variant.cpp) and links
+// them here. Every iteration times a plain read of the K and V bytes, then each revision's call
+// in turn (the order rotating from one iteration to the next), each right after a read of as
+// much other memory, so that all meet the memory in the same state. `vs_read:<name>` is the
+// median read over that revision's median call; the revisions' outputs must agree within 1e-4.
+// A shared machine's memory speed drifts from minute to minute (one core read 22-46 GB/s
+// within an hour, 2-core AMD EPYC); timed in turn inside one iteration, every revision meets the
+// same drift, where two programs run one after the other do not.
+//
+//   bench/ab/run.sh cdadbfa HEAD -- --benchmark_filter='<bfloat16>/H_q:32'
+
+#include <benchmark/benchmark.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "bench_support.hpp"
+#include "variant.hpp"
+
+#define KVCACHE_AB_DECLARE(name) void kvcache_ab_decode_##name(const kvcache_ab::DecodeCall&);
+KVCACHE_AB_VARIANTS(KVCACHE_AB_DECLARE)
+
+namespace {
+
+using kvcache::bench::median;
+using kvcache::bench::time_call;
+
+struct Variant {
+  const char* name;
+  void (*decode)(const kvcache_ab::DecodeCall&);
+};
+#define KVCACHE_AB_ENTRY(name) Variant{#name, kvcache_ab_decode_##name},
+const Variant kVariants[] = {KVCACHE_AB_VARIANTS(KVCACHE_AB_ENTRY)};
+constexpr std::size_t kVariantCount = sizeof kVariants / sizeof kVariants[0];
+
+/// Set when two revisions' outputs disagree: the program then fails.
+bool outputs_differ = false;
+
+constexpr std::size_t kHeadDim = 128;
+constexpr std::size_t kKvHeads = 8;
+
+/// Bytes on huge pages where Linux gives them on request, as a cache's storage asks.
+class Buffer {
+ public:
+  explicit Buffer(std::size_t bytes) : bytes_(bytes) {
+    constexpr std::size_t kHuge = std::size_t{2} << 20;
+    const std::size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+    data_ = static_cast<char*>(std::aligned_alloc(kHuge, rounded));
+    if (data_ == nullptr) throw std::bad_alloc();
+#if defined(__linux__)
+    (void)::madvise(data_, rounded, MADV_HUGEPAGE);
+#endif
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { std::free(data_); }
+  [[nodiscard]] char* data() const { return data_; }
+  [[nodiscard]] std::size_t bytes() const { return bytes_; }
+
+ private:
+  char* data_;
+  std::size_t bytes_;
+};
+
+/// Sums the floats of `buffers`, split among `threads` threads (the caller's included).
+float read_all(const std::vector<const Buffer*>& buffers, std::size_t threads) {
+  std::vector<float> sums(threads, 0.0F);
+  const auto work = [&](std::size_t worker) {
+    for (const Buffer* b : buffers) {
+      const auto* data = reinterpret_cast<const float*>(b->data());
+      const std::size_t count = b->bytes() / sizeof(float);
+      sums[worker] += kvcache::bench::sum_floats(data + count * worker / threads,
+                                                 count * (worker + 1) / threads - count * worker / threads);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (std::thread& t : pool) t.join();
+  return std::accumulate(sums.begin(), sums.end(), 0.0F);
+}
+
+template <class T>
+void fill(const Buffer& b, std::size_t salt) {
+  auto* values = reinterpret_cast<T*>(b.data());
+  for (std::size_t i = 0; i < b.bytes() / sizeof(T); ++i) {
+    values[i] = static_cast<T>(static_cast<float>((i + salt) % 97) / 97.0F - 0.5F);
+  }
+}
+
+/// Args: H_q, S, threads.
+template <class T>
+void BM_DecodeAB(benchmark::State& state) {
+  const auto q_heads = static_cast<std::size_t>(state.range(0));
+  const auto tokens = static_cast<std::size_t>(state.range(1));
+  const auto threads = static_cast<std::size_t>(state.range(2));
+  const std::size_t bytes = kKvHeads * tokens * kHeadDim * sizeof(T);
+  const Buffer keys(bytes), values(bytes), other(2 * bytes);
+  fill<T>(keys, 0);
+  fill<T>(values, 31);
+  std::memset(other.data(), 1, other.bytes());
+  std::vector<std::int64_t> positions(tokens);
+  std::iota(positions.begin(), positions.end(), 0);
+  std::vector<float> q(q_heads * kHeadDim);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(i % 13) / 13.0F - 0.5F;
+  std::vector<std::vector<float>> out(kVariantCount, std::vector<float>(q.size()));
+  const auto type = std::is_same_v<T, float>             ? kvcache_ab::Type::kFloat
+                    : std::is_same_v<T, Eigen::bfloat16> ? kvcache_ab::Type::kBfloat16
+                                                         : kvcache_ab::Type::kHalf;
+  const auto call = [&](std::size_t v) {
+    kVariants[v].decode({type, keys.data(), values.data(), positions, kKvHeads, q_heads, tokens, kHeadDim, threads,
+                         q.data(), out[v].data()});
+    benchmark::DoNotOptimize(out[v].data());
+    benchmark::ClobberMemory();
+  };
+  for (std::size_t v = 0; v < kVariantCount; ++v) call(v);
+  for (std::size_t v = 1; v < kVariantCount; ++v) {
+    for (std::size_t i = 0; i < q.size(); ++i) {
+      if (!(std::abs(out[v][i] - out[0][i]) <= 1e-4F)) {
+        outputs_differ = true;
+        state.SkipWithError(
+            (std::string(kVariants[v].name) + "'s output differs from " + kVariants[0].name + "'s").c_str());
+        return;
+      }
+    }
+  }
+  const std::vector<const Buffer*> same{&keys, &values};
+  const std::vector<const Buffer*> elsewhere{&other};
+  std::vector<double> read_seconds;
+  std::vector<std::vector<double>> call_seconds(kVariantCount);
+  std::size_t round = 0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(read_all(elsewhere, threads));
+    read_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(same, threads)); }));
+    double first = 0;
+    for (std::size_t i = 0; i < kVariantCount; ++i) {
+      const std::size_t v = (i + round) % kVariantCount;
+      benchmark::DoNotOptimize(read_all(elsewhere, threads));
+      call_seconds[v].push_back(time_call([&] { call(v); }));
+      if (v == 0) first = call_seconds[v].back();
+    }
+    state.SetIterationTime(first);
+    ++round;
+  }
+  const double read = median(read_seconds);
+  state.counters["read_GBps"] = read > 0 ? static_cast<double>(2 * bytes) / read / 1e9 : 0.0;
+  for (std::size_t v = 0; v < kVariantCount; ++v) {
+    const double seconds = median(call_seconds[v]);
+    state.counters[std::string("vs_read:") + kVariants[v].name] = seconds > 0 ? read / seconds : 0.0;
+  }
+}
+
+void register_all() {
+  const bool smoke = kvcache::bench::smoke_mode();
+  const auto each = [&](auto* bench, const char* name) {
+    auto* b = benchmark::RegisterBenchmark(name, bench)->ArgNames({"H_q", "S", "threads"})->UseManualTime();
+    b->Iterations(smoke ? 2 : 15);
+    for (const long threads : {1L, 2L}) {
+      for (const long tokens : smoke ? std::vector<long>{512} : std::vector<long>{16384, 32768}) {
+        for (const long q_heads : {8L, 16L, 32L}) b->Args({q_heads, tokens, threads});
+      }
+    }
+  };
+  each(BM_DecodeAB<float>, "DecodeAB<float>");
+  each(BM_DecodeAB<Eigen::bfloat16>, "DecodeAB<bfloat16>");
+  each(BM_DecodeAB<Eigen::half>, "DecodeAB<half>");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int status = kvcache::bench::run_benchmarks(argc, argv, register_all);
+  return status != 0 || outputs_differ ? 1 : 0;
+}
