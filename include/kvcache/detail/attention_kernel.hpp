@@ -509,9 +509,10 @@ class AttentionKernel {
   /// interleaved pairs of runs (2-core AMD EPYC). Under AVX-512, four rows in one pass, two of
   /// them held in registers, against two whole rows and two first halves, then the second halves
   /// from cache (which left the memory idle while it ran): H_q = 32, S = 16,384 and 32,768, one
-  /// core float / bf16 / half 0.79-0.82 / 0.64-0.73 / 0.67-0.76 -> 0.81-0.85 / 0.71-0.77 /
-  /// 0.69-0.79, two cores 0.75-0.81 / 0.66-0.84 / 0.67-0.92 -> 0.81-0.93 / 0.72-0.89 / 0.74-0.95
-  /// (three runs of 15 interleaved calls each, 2-core AMD EPYC with AVX-512).
+  /// core float / bf16 / half 0.78-0.86 / 0.64-0.69 / 0.65-0.70 -> 0.78-0.89 / 0.71-0.75 /
+  /// 0.69-0.73, two cores 0.80-0.81 / 0.71-0.84 / 0.69-0.92 -> 0.82-0.92 / 0.79-0.89 / 0.76-0.95
+  /// (two runs of 15 calls of each build timed in turn as bench/ab does; 2-core AMD EPYC with
+  /// AVX-512).
   [[nodiscard]] std::size_t rows_through_l1(std::size_t n) const noexcept {
     if (kVectorBytes < 32 || dim_ != kThroughL1Dim) return 0;
     if (n >= 4) return 4;

@@ -534,8 +534,8 @@ inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], con
 /// time take 15-16 ns a key in cache and two keys a step 9-10 (bf16 at H_q = 16, one core,
 /// medians of two sets of three interleaved pairs of runs: 0.76-0.77 -> 0.79-0.81; AVX2). Float
 /// rows, twice the bytes a key, take one: two float keys a step ran faster in cache but slower
-/// from memory (four rows at H_q = 32, one core: 0.81 -> 0.72 under AVX2; 0.84 -> 0.81 under
-/// AVX-512 with two rows held).
+/// from memory (four rows at H_q = 32, one core: 0.81 -> 0.72 under AVX2; 0.81-0.84 ->
+/// 0.79-0.81 under AVX-512 with two rows held).
 /// The sums live in an array of the function's own while it runs, which the compiler knows no
 /// row or weight shares: summed in acc itself, one long stream of float V rows read 0.73 of the
 /// plain read at two query rows and 0.61 at four, against 0.90 at both (scratch program, 2-core
