@@ -59,29 +59,12 @@ constexpr std::size_t kHeadDim = 128;
 constexpr std::size_t kKvHeads = 8;
 
 using kvcache::bench::median;
+using kvcache::bench::read_all;
 using kvcache::bench::smoke_mode;
-using kvcache::bench::sum_floats;
 using kvcache::bench::time_call;
 
 /// Set when an attention output disagreed with the reference: the program then fails.
 bool wrong_output = false;
-
-/// Reads every byte of `buffers` once, split among `threads` threads (the caller's included).
-float read_all(const std::vector<std::pair<const float*, std::size_t>>& buffers, std::size_t threads) {
-  std::vector<float> sums(threads, 0.0F);
-  const auto work = [&](std::size_t worker) {
-    for (const auto& [data, count] : buffers) {
-      const std::size_t begin = count * worker / threads;
-      const std::size_t end = count * (worker + 1) / threads;
-      sums[worker] += sum_floats(data + begin, end - begin);
-    }
-  };
-  std::vector<std::thread> pool;
-  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
-  work(0);
-  for (std::thread& t : pool) t.join();
-  return std::accumulate(sums.begin(), sums.end(), 0.0F);
-}
 
 /// K and V for one layer at `tokens` positions, written into a KvCache a chunk at a time.
 template <class T>

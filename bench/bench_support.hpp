@@ -12,6 +12,8 @@
 #include <iterator>
 #include <numeric>
 #include <string_view>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace kvcache::bench {
@@ -52,6 +54,24 @@ inline float sum_floats(const float* data, std::size_t count) {
   }
   for (std::size_t l = 0; i < count; ++i, ++l) lanes[l] += data[i];
   return std::accumulate(std::begin(lanes), std::end(lanes), 0.0F);
+}
+
+/// Reads every float of `buffers` (pointer, count) once, split among `threads` threads (the
+/// caller's included); returns their sum.
+inline float read_all(const std::vector<std::pair<const float*, std::size_t>>& buffers, std::size_t threads) {
+  std::vector<float> sums(threads, 0.0F);
+  const auto work = [&](std::size_t worker) {
+    for (const auto& [data, count] : buffers) {
+      const std::size_t begin = count * worker / threads;
+      const std::size_t end = count * (worker + 1) / threads;
+      sums[worker] += sum_floats(data + begin, end - begin);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (std::thread& t : pool) t.join();
+  return std::accumulate(sums.begin(), sums.end(), 0.0F);
 }
 
 /// KVCACHE_BENCH_SMOKE set (and not "0"): register only tiny cases, so CI runs every path in seconds.

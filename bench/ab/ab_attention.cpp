@@ -20,9 +20,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <numeric>
 #include <string>
-#include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -38,6 +40,7 @@ KVCACHE_AB_VARIANTS(KVCACHE_AB_DECLARE)
 namespace {
 
 using kvcache::bench::median;
+using kvcache::bench::read_all;
 using kvcache::bench::time_call;
 
 struct Variant {
@@ -77,22 +80,9 @@ class Buffer {
   std::size_t bytes_;
 };
 
-/// Sums the floats of `buffers`, split among `threads` threads (the caller's included).
-float read_all(const std::vector<const Buffer*>& buffers, std::size_t threads) {
-  std::vector<float> sums(threads, 0.0F);
-  const auto work = [&](std::size_t worker) {
-    for (const Buffer* b : buffers) {
-      const auto* data = reinterpret_cast<const float*>(b->data());
-      const std::size_t count = b->bytes() / sizeof(float);
-      sums[worker] += kvcache::bench::sum_floats(data + count * worker / threads,
-                                                 count * (worker + 1) / threads - count * worker / threads);
-    }
-  };
-  std::vector<std::thread> pool;
-  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
-  work(0);
-  for (std::thread& t : pool) t.join();
-  return std::accumulate(sums.begin(), sums.end(), 0.0F);
+/// A buffer as read_all takes it.
+std::pair<const float*, std::size_t> floats(const Buffer& b) {
+  return {reinterpret_cast<const float*>(b.data()), b.bytes() / sizeof(float)};
 }
 
 template <class T>
@@ -139,8 +129,8 @@ void BM_DecodeAB(benchmark::State& state) {
       }
     }
   }
-  const std::vector<const Buffer*> same{&keys, &values};
-  const std::vector<const Buffer*> elsewhere{&other};
+  const std::vector<std::pair<const float*, std::size_t>> same{floats(keys), floats(values)};
+  const std::vector<std::pair<const float*, std::size_t>> elsewhere{floats(other)};
   std::vector<double> read_seconds;
   std::vector<std::vector<double>> call_seconds(kVariantCount);
   std::size_t round = 0;
