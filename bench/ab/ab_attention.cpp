@@ -19,19 +19,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
-#include <new>
 #include <numeric>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "bench_support.hpp"
+#include "kvcache/detail/aligned_buffer.hpp"
 #include "variant.hpp"
 
 #define KVCACHE_AB_DECLARE(name) void kvcache_ab_decode_##name(const kvcache_ab::DecodeCall&);
@@ -57,39 +52,20 @@ bool outputs_differ = false;
 constexpr std::size_t kHeadDim = 128;
 constexpr std::size_t kKvHeads = 8;
 
-/// Bytes on huge pages where Linux gives them on request, as a cache's storage asks.
-class Buffer {
- public:
-  explicit Buffer(std::size_t bytes) : bytes_(bytes) {
-    constexpr std::size_t kHuge = std::size_t{2} << 20;
-    const std::size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
-    data_ = static_cast<char*>(std::aligned_alloc(kHuge, rounded));
-    if (data_ == nullptr) throw std::bad_alloc();
-#if defined(__linux__)
-    (void)::madvise(data_, rounded, MADV_HUGEPAGE);
-#endif
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() { std::free(data_); }
-  [[nodiscard]] char* data() const { return data_; }
-  [[nodiscard]] std::size_t bytes() const { return bytes_; }
-
- private:
-  char* data_;
-  std::size_t bytes_;
-};
+/// Storage as a cache's: on huge pages where Linux gives them on request.
+template <class T>
+using Buffer = kvcache::detail::AlignedBuffer<T>;
 
 /// A buffer as read_all takes it.
-std::pair<const float*, std::size_t> floats(const Buffer& b) {
+template <class T>
+std::pair<const float*, std::size_t> floats(const Buffer<T>& b) {
   return {reinterpret_cast<const float*>(b.data()), b.bytes() / sizeof(float)};
 }
 
 template <class T>
-void fill(const Buffer& b, std::size_t salt) {
-  auto* values = reinterpret_cast<T*>(b.data());
-  for (std::size_t i = 0; i < b.bytes() / sizeof(T); ++i) {
-    values[i] = static_cast<T>(static_cast<float>((i + salt) % 97) / 97.0F - 0.5F);
+void fill(Buffer<T>& b, std::size_t salt) {
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    b.data()[i] = static_cast<T>(static_cast<float>((i + salt) % 97) / 97.0F - 0.5F);
   }
 }
 
@@ -99,11 +75,12 @@ void BM_DecodeAB(benchmark::State& state) {
   const auto q_heads = static_cast<std::size_t>(state.range(0));
   const auto tokens = static_cast<std::size_t>(state.range(1));
   const auto threads = static_cast<std::size_t>(state.range(2));
-  const std::size_t bytes = kKvHeads * tokens * kHeadDim * sizeof(T);
-  const Buffer keys(bytes), values(bytes), other(2 * bytes);
-  fill<T>(keys, 0);
-  fill<T>(values, 31);
-  std::memset(other.data(), 1, other.bytes());
+  const std::size_t size = kKvHeads * tokens * kHeadDim;
+  const std::size_t bytes = size * sizeof(T);
+  Buffer<T> keys(size), values(size);
+  const Buffer<T> other(2 * size);
+  fill(keys, 0);
+  fill(values, 31);
   std::vector<std::int64_t> positions(tokens);
   std::iota(positions.begin(), positions.end(), 0);
   std::vector<float> q(q_heads * kHeadDim);

@@ -45,6 +45,6 @@ for i in "${!revisions[@]}"; do
   list+="X($name) "
 done
 wait
-g++ "${flags[@]}" "-DKVCACHE_AB_VARIANTS(X)=$list" -I"$root/bench" -I"$root/bench/ab" \
+g++ "${flags[@]}" "-DKVCACHE_AB_VARIANTS(X)=$list" -I"$root/include" -I"$root/bench" -I"$root/bench/ab" \
   "$root/bench/ab/ab_attention.cpp" "${objects[@]}" -o "$work/ab_attention" -lbenchmark -lpthread
 "$work/ab_attention" "$@"
