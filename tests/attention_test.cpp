@@ -150,7 +150,7 @@ struct Case {
   float scale;         // 0: 1/sqrt(D)
 };
 
-// T in {1, 2, 7, 64}, N up to 2048, H_q/H_kv in {1, 2, 4, 8}, D in {32, 64, 128, 256}, with and
+// T in {1, 2, 7, 64}, N up to 4500, H_q/H_kv in {1, 2, 4, 8}, D in {32, 64, 128, 256}, with and
 // without windows and sinks, on either side. A ring returns a chunk's first window, which its
 // later queries must not read; a chunk longer than slack + 1 is staged as a segment of its own.
 const std::vector<Case> kCases = {
@@ -164,7 +164,7 @@ const std::vector<Case> kCases = {
     {1, 1, 8, 128, 2, 1000, {0, 5}, {128, 1}, 4, 0.0F},
     {2, 2, 2, 64, 1, 129, {64, 2}, {100, 0}, 0, 0.0F},
     {1, 1, 2, 128, 64, 700, {100, 4}, {256, 4}, 70, 0.5F},
-    {1, 2, 4, 32, 1, 1500, {}, {}, 0, 8.0F},       // peaked softmax: exercises the running max
+    {1, 2, 4, 32, 1, 4500, {}, {}, 0, 8.0F},       // peaked softmax over tiles: the running max
     {1, 1, 4, 256, 2, 300, {}, {64, 2}, 4, 0.0F},  // the largest head size read with a compile-time row
     // One query row per kv head: keys read one whole row after another, a partial last register.
     {1, 2, 1, 128, 1, 777, {}, {100, 2}, 5, 0.0F},
@@ -180,7 +180,7 @@ const std::vector<Case> kCases = {
 
 template <class T>
 struct Tolerance;
-// Float accumulation over up to 2048 keys of values in [-1, 1]; the reference reads the same
+// Float accumulation over up to 4500 keys of values in [-1, 1]; the reference reads the same
 // rounded inputs, so the 16-bit types differ only by accumulation error.
 template <>
 struct Tolerance<float> {
@@ -468,17 +468,17 @@ std::vector<std::int64_t> spread(std::size_t count, std::size_t step) {
 
 TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
   // Attention is a sum over keys: a history whose rows come in another order, each with its own
-  // position, gives the same output. Over 2,000 keys (several tiles), in order, reversed and
-  // shuffled: 300 queries at positions 0, 7, ..., 2,093 (most tiles partly visible to a block
-  // of queries), and one decode query at 999, which sees the keys up to it.
+  // position, gives the same output. Over 5,000 keys (several tiles), in order, reversed and
+  // shuffled: 300 queries at positions 0, 17, ..., 5,083 (most tiles partly visible to a block
+  // of queries), and one decode query at 2,999, which sees the keys up to it.
   const std::size_t dim = 64;
-  const std::size_t tokens = 2000;
+  const std::size_t tokens = 5000;
   const Block<float> k({1, 1, tokens, dim}, 11);
   const Block<float> v({1, 1, tokens, dim}, 12);
   const Block<float> chunk_q({1, 2, 300, dim}, 13);
   const Block<float> decode_q({1, 4, 1, dim}, 14);
-  const std::vector<std::int64_t> chunk_positions = spread(300, 7);
-  const std::vector<std::int64_t> decode_positions{999};
+  const std::vector<std::int64_t> chunk_positions = spread(300, 17);
+  const std::vector<std::int64_t> decode_positions{2999};
   struct Queries {
     const Block<float>& q;
     const std::vector<std::int64_t>& positions;
@@ -520,17 +520,17 @@ TEST(AttentionMask, KeysInAnyOrderGiveTheSameResult) {
 }
 
 TEST(AttentionMask, AWindowOverALongChunkReadsOnlyWhatEachQuerySees) {
-  // 300 queries at positions 0, 7, ..., 2,093 over 2,000 keys with a window of 50 and 4 sinks:
-  // each block of queries sees a few dozen keys of tiles that hold a thousand. The sinks come as
-  // a segment of their own (as a ring returns them) or inside the one segment.
+  // 300 queries at positions 0, 17, ..., 5,083 over 5,000 keys with a window of 50 and 4 sinks:
+  // each block of queries sees a few dozen keys of tiles that hold two thousand. The sinks come
+  // as a segment of their own (as a ring returns them) or inside the one segment.
   const std::size_t dim = 32;
-  const std::size_t tokens = 2000;
+  const std::size_t tokens = 5000;
   const std::size_t chunk = 300;
   const std::size_t sinks = 4;
   const Block<float> k({1, 2, tokens, dim}, 21);
   const Block<float> v({1, 2, tokens, dim}, 22);
   const Block<float> q({1, 4, chunk, dim}, 23);
-  const std::vector<std::int64_t> q_positions = spread(chunk, 7);
+  const std::vector<std::int64_t> q_positions = spread(chunk, 17);
   const std::vector<std::int64_t> positions = arange(0, tokens);
   const std::span<const std::int64_t> all(positions);
   const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), 0.25, {{50, sinks}});
@@ -642,6 +642,41 @@ TEST(AttentionViews, OutMayBeQItself) {
       EXPECT_NE(in_place, q.data);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests above that speak of several tiles (4,500 and 5,000 keys at D = 32 and 64) do cross
+// tiles, whatever the element type: at least two tile boundaries, so that the running max and
+// sum are carried from tile to tile.
+
+template <class T>
+std::size_t tile_keys(std::size_t dim) {
+  using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const std::size_t keys = 8;
+  const Block<T> k({1, 1, keys, dim}, 41);
+  const Block<float> q({1, 4, 1, dim}, 42);
+  const std::vector<std::int64_t> positions = arange(0, keys);
+  const Segment<T> segment{k.view(), k.view(), positions};
+  std::vector<float> out(q.data.size());
+  const std::vector<std::int64_t> q_positions{static_cast<std::int64_t>(keys)};
+  const detail::AttentionKernel<T, float, Acc> kernel(q.view(), q_positions, History<T>{std::span(&segment, 1)},
+                                                      TensorView<float>(out.data(), q.shape),
+                                                      detail::VisibilityRule(0, 0, 0, 0), Acc{1});
+  return kernel.tile();
+}
+
+template <class T>
+void expect_long_cases_cross_tiles() {
+  for (const std::size_t dim : {std::size_t{32}, std::size_t{64}}) {
+    EXPECT_LT(2 * tile_keys<T>(dim), std::size_t{4500}) << "D " << dim;
+  }
+}
+
+TEST(AttentionTiles, LongCasesCrossSeveralTilesForEveryType) {
+  expect_long_cases_cross_tiles<float>();
+  expect_long_cases_cross_tiles<double>();
+  expect_long_cases_cross_tiles<Eigen::half>();
+  expect_long_cases_cross_tiles<Eigen::bfloat16>();
 }
 
 // ---------------------------------------------------------------------------------------------

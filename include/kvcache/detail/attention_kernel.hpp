@@ -132,8 +132,9 @@ class AttentionKernel {
         group_(q.heads() / history.segments.front().keys.heads()),
         block_queries_(std::clamp<std::size_t>(kTargetRows / group_, 1, std::max<std::size_t>(q.tokens(), 1))),
         rows_(group_ * block_queries_),
-        tile_(std::clamp<std::size_t>(kTileBytes / (std::max<std::size_t>(dim_, 1) * sizeof(T)), kW, kMaxTileKeys) /
-              kW * kW) {
+        tile_(
+            std::clamp<std::size_t>(kTileBytes / (std::max<std::size_t>(dim_, 1) * sizeof(Stored)), kW, kMaxTileKeys) /
+            kW * kW) {
     offsets_.reserve(segments_.size() + 1);
     offsets_.push_back(0);
     for (const Segment<T>& s : segments_) offsets_.push_back(offsets_.back() + s.tokens());
@@ -227,9 +228,15 @@ class AttentionKernel {
   // closer to the plain read on one core (0.03-0.07 at four query rows per kv head), and 512 KiB
   // (a float tile's K and V then fill the L2) 1-2 GB/s more for float at four query rows per kv
   // head, one core, S = 32k (nine interleaved pairs of runs); 768 KiB did no better, and 1-2 MiB
-  // lost it again (AVX-512 AMD EPYC). kMaxTileKeys bounds the scores a row keeps.
+  // lost it again (AVX-512 AMD EPYC). The bytes are those the passes read (Stored), so a 16-bit
+  // tile holds twice the keys of a float one: bf16 and half at D = 128 in tiles of 2,048 keys
+  // instead of 1,024 read +0.017 and +0.027 closer to the plain read at four query rows per kv
+  // head on one core, +0.028 and +0.016 on two (medians of 14 interleaved pairs of calls, S =
+  // 16,384 and 32,768; 12-13 of 14 gained), float unchanged; 4,096 keys (1 MiB) gained no more,
+  // and 8,192 or 16,384 lost up to 0.15 and 0.22 on two cores. kMaxTileKeys bounds the scores a
+  // row keeps (8 KiB).
   static constexpr std::size_t kTileBytes = 524288;
-  static constexpr std::size_t kMaxTileKeys = 1024;
+  static constexpr std::size_t kMaxTileKeys = 2048;
   static constexpr std::size_t kW = kVector<Acc>;  // keys scored at once
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
