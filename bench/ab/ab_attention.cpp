@@ -9,7 +9,14 @@
 // within an hour, 2-core AMD EPYC); timed in turn inside one iteration, every revision meets the
 // same drift, where two programs run one after the other do not.
 //
+// InCacheAB rows time the same call over one kv head of G query heads whose K and V (512 KiB)
+// stay in cache, 16 calls a timing, one core: the arithmetic alone, which decides the cells the
+// memory no longer does (four 16-bit query rows per kv head on one AVX-512 AMD EPYC core).
+// `ns_per_key:<name>` is that revision's median call per key; `vs_read` is against reading the
+// same bytes from cache.
+//
 //   bench/ab/run.sh cdadbfa HEAD -- --benchmark_filter='<bfloat16>/H_q:32'
+//   bench/ab/run.sh cdadbfa HEAD -- --benchmark_filter=InCache
 
 #include <benchmark/benchmark.h>
 
@@ -69,16 +76,19 @@ void fill(Buffer<T>& b, std::size_t salt) {
   }
 }
 
-/// Args: H_q, S, threads.
+/// Times every revision's decode call over `kv_heads` kv heads of `tokens` keys, in turn with a
+/// plain read of the same K and V bytes. From memory (`in_cache` false): each read and call
+/// right after a read of as much other memory. In cache: K and V stay where the last call left
+/// them (L2 for 512 KiB), and each timing covers kBatch calls or reads in a row, so that the
+/// clock's own cost stays small beside calls of a few microseconds.
 template <class T>
-void BM_DecodeAB(benchmark::State& state) {
-  const auto q_heads = static_cast<std::size_t>(state.range(0));
-  const auto tokens = static_cast<std::size_t>(state.range(1));
-  const auto threads = static_cast<std::size_t>(state.range(2));
-  const std::size_t size = kKvHeads * tokens * kHeadDim;
+void run_ab(benchmark::State& state, std::size_t kv_heads, std::size_t q_heads, std::size_t tokens, std::size_t threads,
+            bool in_cache) {
+  constexpr std::size_t kBatch = 16;
+  const std::size_t size = kv_heads * tokens * kHeadDim;
   const std::size_t bytes = size * sizeof(T);
   Buffer<T> keys(size), values(size);
-  const Buffer<T> other(2 * size);
+  const Buffer<T> other(in_cache ? 0 : 2 * size);
   fill(keys, 0);
   fill(values, 31);
   std::vector<std::int64_t> positions(tokens);
@@ -90,7 +100,7 @@ void BM_DecodeAB(benchmark::State& state) {
                     : std::is_same_v<T, Eigen::bfloat16> ? kvcache_ab::Type::kBfloat16
                                                          : kvcache_ab::Type::kHalf;
   const auto call = [&](std::size_t v) {
-    kVariants[v].decode({type, keys.data(), values.data(), positions, kKvHeads, q_heads, tokens, kHeadDim, threads,
+    kVariants[v].decode({type, keys.data(), values.data(), positions, kv_heads, q_heads, tokens, kHeadDim, threads,
                          q.data(), out[v].data()});
     benchmark::DoNotOptimize(out[v].data());
     benchmark::ClobberMemory();
@@ -111,25 +121,52 @@ void BM_DecodeAB(benchmark::State& state) {
   std::vector<double> read_seconds;
   std::vector<std::vector<double>> call_seconds(kVariantCount);
   std::size_t round = 0;
+  const std::size_t repeats = in_cache ? kBatch : 1;
+  const auto evict = [&] {
+    if (!in_cache) benchmark::DoNotOptimize(read_all(elsewhere, threads));
+  };
   for (auto _ : state) {
-    benchmark::DoNotOptimize(read_all(elsewhere, threads));
-    read_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(same, threads)); }));
+    evict();
+    read_seconds.push_back(time_call([&] {
+      for (std::size_t r = 0; r < repeats; ++r) benchmark::DoNotOptimize(read_all(same, threads));
+    }));
     double first = 0;
     for (std::size_t i = 0; i < kVariantCount; ++i) {
       const std::size_t v = (i + round) % kVariantCount;
-      benchmark::DoNotOptimize(read_all(elsewhere, threads));
-      call_seconds[v].push_back(time_call([&] { call(v); }));
-      if (v == 0) first = call_seconds[v].back();
+      evict();
+      call_seconds[v].push_back(time_call([&] {
+        for (std::size_t r = 0; r < repeats; ++r) call(v);
+      }));
+      if (v == 0) first = call_seconds[v].back() / static_cast<double>(repeats);
     }
     state.SetIterationTime(first);
     ++round;
   }
-  const double read = median(read_seconds);
+  const double read = median(read_seconds) / static_cast<double>(repeats);
   state.counters["read_GBps"] = read > 0 ? static_cast<double>(2 * bytes) / read / 1e9 : 0.0;
   for (std::size_t v = 0; v < kVariantCount; ++v) {
-    const double seconds = median(call_seconds[v]);
+    const double seconds = median(call_seconds[v]) / static_cast<double>(repeats);
     state.counters[std::string("vs_read:") + kVariants[v].name] = seconds > 0 ? read / seconds : 0.0;
+    if (in_cache) {
+      state.counters[std::string("ns_per_key:") + kVariants[v].name] =
+          seconds * 1e9 / static_cast<double>(kv_heads * tokens);
+    }
   }
+}
+
+/// Args: H_q, S, threads. From memory, 8 kv heads.
+template <class T>
+void BM_DecodeAB(benchmark::State& state) {
+  run_ab<T>(state, kKvHeads, static_cast<std::size_t>(state.range(0)), static_cast<std::size_t>(state.range(1)),
+            static_cast<std::size_t>(state.range(2)), false);
+}
+
+/// Args: G (query heads of the one kv head). One core, K and V 512 KiB together, in cache: the
+/// call's arithmetic alone, where the memory of a shared machine does not move the figures.
+template <class T>
+void BM_InCacheAB(benchmark::State& state) {
+  const std::size_t tokens = (std::size_t{512} << 10) / (2 * kHeadDim * sizeof(T));
+  run_ab<T>(state, 1, static_cast<std::size_t>(state.range(0)), tokens, 1, true);
 }
 
 void register_all() {
@@ -146,6 +183,14 @@ void register_all() {
   each(BM_DecodeAB<float>, "DecodeAB<float>");
   each(BM_DecodeAB<Eigen::bfloat16>, "DecodeAB<bfloat16>");
   each(BM_DecodeAB<Eigen::half>, "DecodeAB<half>");
+  const auto cached = [&](auto* bench, const char* name) {
+    auto* b = benchmark::RegisterBenchmark(name, bench)->ArgNames({"G"})->UseManualTime();
+    b->Iterations(smoke ? 2 : 15);
+    for (const long group : {1L, 2L, 4L}) b->Args({group});
+  };
+  cached(BM_InCacheAB<float>, "InCacheAB<float>");
+  cached(BM_InCacheAB<Eigen::bfloat16>, "InCacheAB<bfloat16>");
+  cached(BM_InCacheAB<Eigen::half>, "InCacheAB<half>");
 }
 
 }  // namespace
