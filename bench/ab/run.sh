@@ -8,9 +8,10 @@
 #   bench/ab/run.sh cdadbfa HEAD                                   # every cell, 15 iterations
 #   bench/ab/run.sh cdadbfa WORKTREE -- --benchmark_filter='<bfloat16>/H_q:32'
 #   KVCACHE_AB_FLAGS=-mno-avx512f bench/ab/run.sh cdadbfa HEAD        # another vector width
+#   KVCACHE_AB_CXX=clang++ bench/ab/run.sh cdadbfa HEAD                # another compiler
 #
 # Revisions are named r0, r1, ... in the counters (vs_read:r0 is the first one given), in the
-# order given. Needs g++ and the Debian packages of scripts/install-deps.sh.
+# order given. Needs g++ (or KVCACHE_AB_CXX) and the Debian packages of scripts/install-deps.sh.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -24,6 +25,7 @@ fi
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
+cxx="${KVCACHE_AB_CXX:-g++}"
 flags=(-std=gnu++20 -O3 -DNDEBUG -march=native ${KVCACHE_AB_FLAGS:-} -isystem /usr/include/eigen3)
 objects=()
 list=""
@@ -39,12 +41,12 @@ for i in "${!revisions[@]}"; do
     echo "kvcache ab: $name = $rev ($(git -C "$root" rev-parse --short "$rev"))"
   fi
   # The library's namespace renamed per revision, so that their inline functions stay apart.
-  g++ "${flags[@]}" -Dkvcache="kvcache_$name" -DKVCACHE_AB_NAME="$name" -I"$work/$name/include" \
+  "$cxx" "${flags[@]}" -Dkvcache="kvcache_$name" -DKVCACHE_AB_NAME="$name" -I"$work/$name/include" \
     -I"$root/bench/ab" -c "$root/bench/ab/variant.cpp" -o "$work/$name.o" &
   objects+=("$work/$name.o")
   list+="X($name) "
 done
 wait
-g++ "${flags[@]}" "-DKVCACHE_AB_VARIANTS(X)=$list" -I"$root/include" -I"$root/bench" -I"$root/bench/ab" \
+"$cxx" "${flags[@]}" "-DKVCACHE_AB_VARIANTS(X)=$list" -I"$root/include" -I"$root/bench" -I"$root/bench/ab" \
   "$root/bench/ab/ab_attention.cpp" "${objects[@]}" -o "$work/ab_attention" -lbenchmark -lpthread
 "$work/ab_attention" "$@"
