@@ -525,6 +525,15 @@ inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], con
   unroll<R>([&](auto r) { unroll<C>([&](auto c) { store_vector(acc[r] + d + c * W, a[r][c]); }); });
 }
 
+#if defined(__clang__)
+// Clang 14 keeps the held sums on the stack when two 16-bit keys a step leave it no registers
+// (AVX-512, two rows held): one key a step there ran 20.2-20.4 -> 16.8-17.8 ns a key with K and
+// V in cache (bf16, four query rows per kv head, one core), where GCC 12 went 15.2 -> 19.0.
+inline constexpr bool kTwoKeysWithHeldRows = false;
+#else
+inline constexpr bool kTwoKeysWithHeldRows = true;
+#endif
+
 /// acc[r] += sum_j w[r][j] * rows[j] for R query rows over whole rows of Dim values in one pass
 /// over whole rows in order (the one from memory): the first Held rows' sums in registers, the
 /// others' read from and written back to L1, where the registers hold less than all R rows.
@@ -546,15 +555,6 @@ inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], con
 /// read, so that lines are asked for at the pace they are used: asking for whole rows as each
 /// row began, four float rows read 0.62-0.65 of the plain read, four bf16 rows two keys a step
 /// 0.58-0.62, against 0.76-0.78 and 0.74-0.77 a line at a time (one long stream, three runs).
-#if defined(__clang__)
-// Clang 14 keeps the held sums on the stack when two 16-bit keys a step leave it no registers
-// (AVX-512, two rows held): one key a step there ran 20.2-20.4 -> 16.8-17.8 ns a key with K and
-// V in cache (bf16, four query rows per kv head, one core), where GCC 12 went 15.2 -> 19.0.
-inline constexpr bool kTwoKeysWithHeldRows = false;
-#else
-inline constexpr bool kTwoKeysWithHeldRows = true;
-#endif
-
 template <std::size_t R, std::size_t Dim, std::size_t Held, class T, class Acc, class Fetch>
 inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows,
                                         std::size_t stride, std::size_t count, const Fetch& fetch) noexcept {
