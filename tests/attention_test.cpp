@@ -791,23 +791,24 @@ TEST(AttentionMath, EveryHalfBitPatternWidensExactly) {
 }
 #endif
 
-// The register order of a row (queries in, outputs out): for_each_lane gives every position
-// exactly once, with the lane lane_of names, at every length around a group (tails included).
+// The register order of a row (queries in, outputs out): reorder_row puts every value where
+// lane_of names, at every length around a group (tails included), and puts it back.
 
 template <class T, class Acc>
 void expect_lanes() {
   for (std::size_t dim = 0; dim <= 4 * detail::kVector<Acc> + 3; ++dim) {
-    std::vector<int> seen(dim, 0);
-    detail::for_each_lane<T, Acc>(dim, [&](std::size_t d, std::size_t lane) {
-      ASSERT_LT(d, dim);
-      EXPECT_EQ(lane, (detail::lane_of<T, Acc>(d, dim))) << "dim " << dim << " d " << d;
-      ++seen[d];
-    });
-    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), static_cast<std::ptrdiff_t>(dim)) << "dim " << dim;
+    std::vector<Acc> row(dim);
+    for (std::size_t d = 0; d < dim; ++d) row[d] = static_cast<Acc>(d);
+    detail::reorder_row<T, Acc, true>(row.data(), dim);
+    for (std::size_t d = 0; d < dim; ++d) {
+      EXPECT_EQ(row[(detail::lane_of<T, Acc>(d, dim))], static_cast<Acc>(d)) << "dim " << dim << " d " << d;
+    }
+    detail::reorder_row<T, Acc, false>(row.data(), dim);
+    for (std::size_t d = 0; d < dim; ++d) EXPECT_EQ(row[d], static_cast<Acc>(d)) << "back, dim " << dim << " d " << d;
   }
 }
 
-TEST(AttentionMath, ForEachLaneVisitsEveryPositionInRegisterOrder) {
+TEST(AttentionMath, ReorderRowPutsEveryValueInRegisterOrderAndBack) {
   expect_lanes<float, float>();
   expect_lanes<double, double>();
   expect_lanes<Eigen::bfloat16, float>();

@@ -13,7 +13,8 @@
 // stay in cache, 16 calls a timing, one core: the arithmetic alone, which decides the cells the
 // memory no longer does (four 16-bit query rows per kv head on one AVX-512 AMD EPYC core).
 // `ns_per_key:<name>` is that revision's median call per key; `vs_read` is against reading the
-// same bytes from cache.
+// same bytes from cache. ShortAB rows do the same over 8 kv heads of 16 or 512 keys, where a
+// call's fixed costs show (`us_per_call:<name>`).
 //
 //   bench/ab/run.sh cdadbfa HEAD -- --benchmark_filter='<bfloat16>/H_q:32'
 //   bench/ab/run.sh cdadbfa HEAD -- --benchmark_filter=InCache
@@ -150,6 +151,7 @@ void run_ab(benchmark::State& state, std::size_t kv_heads, std::size_t q_heads, 
     if (in_cache) {
       state.counters[std::string("ns_per_key:") + kVariants[v].name] =
           seconds * 1e9 / static_cast<double>(kv_heads * tokens);
+      state.counters[std::string("us_per_call:") + kVariants[v].name] = seconds * 1e6;
     }
   }
 }
@@ -167,6 +169,14 @@ template <class T>
 void BM_InCacheAB(benchmark::State& state) {
   const std::size_t tokens = (std::size_t{512} << 10) / (2 * kHeadDim * sizeof(T));
   run_ab<T>(state, 1, static_cast<std::size_t>(state.range(0)), tokens, 1, true);
+}
+
+/// Args: H_q, S. One core, 8 kv heads of a short history, in cache: what a call costs besides
+/// reading keys (queries in, outputs out, each kv head set up), which decides short decodes.
+template <class T>
+void BM_ShortAB(benchmark::State& state) {
+  run_ab<T>(state, kKvHeads, static_cast<std::size_t>(state.range(0)), static_cast<std::size_t>(state.range(1)), 1,
+            true);
 }
 
 void register_all() {
@@ -191,6 +201,14 @@ void register_all() {
   cached(BM_InCacheAB<float>, "InCacheAB<float>");
   cached(BM_InCacheAB<Eigen::bfloat16>, "InCacheAB<bfloat16>");
   cached(BM_InCacheAB<Eigen::half>, "InCacheAB<half>");
+  const auto short_history = [&](auto* bench, const char* name) {
+    auto* b = benchmark::RegisterBenchmark(name, bench)->ArgNames({"H_q", "S"})->UseManualTime();
+    b->Iterations(smoke ? 2 : 15);
+    for (const long tokens : {16L, 512L}) b->Args({32, tokens});
+  };
+  short_history(BM_ShortAB<float>, "ShortAB<float>");
+  short_history(BM_ShortAB<Eigen::bfloat16>, "ShortAB<bfloat16>");
+  short_history(BM_ShortAB<Eigen::half>, "ShortAB<half>");
 }
 
 }  // namespace

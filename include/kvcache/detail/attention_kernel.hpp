@@ -262,21 +262,23 @@ class AttentionKernel {
       Acc* dst = w.queries.data() + r * dim_;
       const Q* src = q_.row(item.batch, head_of(item, r), item.first_query + r / group_);
       // Scaled, so that scores come out scaled; in the order the K rows are read in.
-      for_each_lane<Stored, Acc>(dim_,
-                                 [&](std::size_t d, std::size_t lane) { dst[lane] = load_as<Acc>(src, d) * scale_; });
+      for (std::size_t d = 0; d < dim_; ++d) dst[d] = load_as<Acc>(src, d) * scale_;
+      reorder_row<Stored, Acc, true>(dst, dim_);
     }
   }
 
-  void write_row(const AttentionItem& item, std::size_t r, const Acc* acc, Acc sum) const noexcept {
+  /// Writes row r's output from its sums `acc`, which are in lane_of order and put back in order.
+  void write_row(const AttentionItem& item, std::size_t r, Acc* acc, Acc sum) const noexcept {
     Q* dst = out_.row(item.batch, head_of(item, r), item.first_query + r / group_);
     const Acc inverse = sum > 0 ? Acc{1} / sum : Acc{0};  // no visible key: zeros
-    for_each_lane<Stored, Acc>(dim_, [&](std::size_t d, std::size_t lane) {
+    reorder_row<Stored, Acc, false>(acc, dim_);
+    for (std::size_t d = 0; d < dim_; ++d) {
       if constexpr (std::is_same_v<Q, Eigen::half> || std::is_same_v<Q, Eigen::bfloat16>) {
-        dst[d] = static_cast<Q>(static_cast<float>(acc[lane] * inverse));
+        dst[d] = static_cast<Q>(static_cast<float>(acc[d] * inverse));
       } else {
-        dst[d] = static_cast<Q>(acc[lane] * inverse);
+        dst[d] = static_cast<Q>(acc[d] * inverse);
       }
-    });
+    }
   }
 
   /// Calls read(rows, stride, fetch) with the rows of `view` for (batch, kv_head), keys [first,

@@ -279,22 +279,58 @@ inline std::size_t lane_of(std::size_t d, std::size_t dim) noexcept {
   return base + (i % split) * kVector<Acc> + i / split;
 }
 
-/// Calls f(d, lane_of<T, Acc>(d, dim)) for every d < dim: a loop per half of a group instead
-/// of a division per value, which the compiler vectorizes (the queries go into this order and
-/// the outputs come out of it once per row).
-template <class T, class Acc, class F>
-inline void for_each_lane(std::size_t dim, const F& f) noexcept {
+/// Lane l of the even (odd false) or odd values of two registers read as one run (split_lane),
+/// and lane l of the low or high half of that run put back from its even and odd registers
+/// (joined_lane): lanes from w on are the second register's.
+constexpr int split_lane(bool odd, std::size_t l) noexcept { return static_cast<int>(2 * l + (odd ? 1 : 0)); }
+constexpr int joined_lane(std::size_t w, bool high, std::size_t l) noexcept {
+  const std::size_t i = l / 2 + (high ? w / 2 : 0);
+  return static_cast<int>(l % 2 == 0 ? i : w + i);
+}
+
+/// Puts a row of `dim` values from their order into lane_of<T, Acc> order in place (ToLanes), or
+/// back: the queries go in once per row and the outputs come out. Whole groups move by two
+/// shuffles a register; a value at a time, a bf16 decode call over 8 kv heads of 16 keys
+/// (H_q = 32, one core) took 7.9 us instead of 5.7 (ShortAB, AVX-512 AMD EPYC).
+template <class T, class Acc, bool ToLanes>
+inline void reorder_row(Acc* row, std::size_t dim) noexcept {
   constexpr std::size_t split = RowReader<T, Acc>::kSplit;
-  constexpr std::size_t W = kVector<Acc>;
-  std::size_t base = 0;
   if constexpr (split > 1) {
-    for (; base + split * W <= dim; base += split * W) {
-      for (std::size_t s = 0; s < split; ++s) {
-        for (std::size_t i = 0; i < W; ++i) f(base + i * split + s, base + s * W + i);
+    static_assert(split == 2, "reorder_row: a read splits into even and odd values.");
+    using V = Vector<Acc>;
+    constexpr std::size_t W = kVector<Acc>;
+    for (std::size_t base = 0; base + 2 * W <= dim; base += 2 * W) {
+      const V a = load_vector<V>(row + base);
+      const V b = load_vector<V>(row + base + W);
+      V first;
+      V second;
+      if constexpr (std::is_class_v<V>) {
+        for (std::size_t l = 0; l < W; ++l) {
+          const auto pick = [&](int from) {
+            const auto i = static_cast<std::size_t>(from);
+            return i < W ? a[i] : b[i - W];
+          };
+          first[l] = pick(ToLanes ? split_lane(false, l) : joined_lane(W, false, l));
+          second[l] = pick(ToLanes ? split_lane(true, l) : joined_lane(W, true, l));
+        }
+      } else {
+#if KVCACHE_VECTOR_EXTENSIONS
+        [&]<std::size_t... L>(std::index_sequence<L...>) {
+          if constexpr (ToLanes) {
+            first = __builtin_shufflevector(a, b, split_lane(false, L)...);
+            second = __builtin_shufflevector(a, b, split_lane(true, L)...);
+          } else {
+            first = __builtin_shufflevector(a, b, joined_lane(W, false, L)...);
+            second = __builtin_shufflevector(a, b, joined_lane(W, true, L)...);
+          }
+        }
+        (std::make_index_sequence<W>{});
+#endif
       }
+      store_vector(row + base, first);
+      store_vector(row + base + W, second);
     }
   }
-  for (std::size_t d = base; d < dim; ++d) f(d, d);
 }
 
 /// Lane l of one half of a pair sum with blocks of 2h lanes: the low (or high) h lanes of each
