@@ -48,7 +48,6 @@
 #include <cstring>
 #include <numeric>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kvcache/kvcache.hpp"

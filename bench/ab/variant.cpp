@@ -5,9 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <numeric>
 #include <span>
-#include <vector>
 
 #include "kvcache/kvcache.hpp"
 #include "variant.hpp"
