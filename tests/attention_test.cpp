@@ -15,6 +15,7 @@
 #include <numeric>
 #include <random>
 #include <span>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -209,11 +210,18 @@ const char* name(Variant v) {
   return v == Variant::kDense ? "KvCache" : v == Variant::kConcat ? "ConcatKvCache" : "RingKvCache";
 }
 
-/// Feeds the sequence through a cache of `variant` and attends the chunk; returns the
-/// largest error against the reference (and fails the test when it is too large).
-template <class T>
-void run_case(const Case& c, Variant variant, std::uint64_t seed) {
-  using Q = QueryType<T>;
+std::string describe(const Case& c, Variant variant) {
+  std::ostringstream s;
+  s << name(variant) << " B=" << c.batch << " H_kv=" << c.kv_heads << " G=" << c.group << " D=" << c.head_dim
+    << " T=" << c.chunk << " N=" << c.tokens << " window=" << c.option.window << "/" << c.ring.window
+    << " sinks=" << c.option.sinks << "/" << c.ring.sinks;
+  return s.str();
+}
+
+/// The chunk's attention output when the sequence goes through a cache of `variant`: q and out
+/// of type Q, the queries the same values whatever Q (those of T).
+template <class T, class Q>
+std::vector<Q> attend_case(const Case& c, Variant variant, std::uint64_t seed) {
   const std::size_t q_heads = c.kv_heads * c.group;
   const Block<T> k({c.batch, c.kv_heads, c.tokens, c.head_dim}, seed);
   const Block<T> v({c.batch, c.kv_heads, c.tokens, c.head_dim}, seed + 1);
@@ -231,12 +239,7 @@ void run_case(const Case& c, Variant variant, std::uint64_t seed) {
                              .window = variant == Variant::kRing ? ring_window : 0,
                              .sinks = variant == Variant::kRing ? c.ring.sinks : 0,
                              .slack = variant == Variant::kRing ? c.slack : 0};
-  std::vector<WindowRule> rules{c.option};
-  if (variant == Variant::kRing) rules.push_back({ring_window, c.ring.sinks});
-  const double scale = c.scale != 0.0F ? static_cast<double>(c.scale) : 1.0 / std::sqrt(double(c.head_dim));
   const std::vector<std::int64_t> q_positions = arange(c.tokens - c.chunk, c.chunk);
-  const Dense want = reference_attention(exact(q_stored), q_positions, exact(k), exact(v), scale, rules);
-
   std::vector<Q> out_data(q_data.size(), std::numeric_limits<Q>::quiet_NaN());
   const TensorView<Q> out(out_data.data(), q.shape());
   const AttentionOptions options{.scale = c.scale, .window = c.option.window, .sinks = c.option.sinks};
@@ -264,11 +267,29 @@ void run_case(const Case& c, Variant variant, std::uint64_t seed) {
     RingKvCache<T> cache(config);
     attend(cache);
   }
-  const double error = max_error<Q>(out, want);
-  EXPECT_LE(error, Tolerance<T>::value) << name(variant) << " B=" << c.batch << " H_kv=" << c.kv_heads
-                                        << " G=" << c.group << " D=" << c.head_dim << " T=" << c.chunk
-                                        << " N=" << c.tokens << " window=" << c.option.window << "/" << c.ring.window
-                                        << " sinks=" << c.option.sinks << "/" << c.ring.sinks;
+  return out_data;
+}
+
+/// The reference output for a case (what attend_case's caches must give).
+template <class T>
+Dense reference_case(const Case& c, Variant variant, std::uint64_t seed) {
+  const Block<T> k({c.batch, c.kv_heads, c.tokens, c.head_dim}, seed);
+  const Block<T> v({c.batch, c.kv_heads, c.tokens, c.head_dim}, seed + 1);
+  const Block<T> q({c.batch, c.kv_heads * c.group, c.chunk, c.head_dim}, seed + 2);
+  const std::size_t ring_window = c.ring.window == 0 ? c.tokens : c.ring.window;
+  std::vector<WindowRule> rules{c.option};
+  if (variant == Variant::kRing) rules.push_back({ring_window, c.ring.sinks});
+  const double scale = c.scale != 0.0F ? static_cast<double>(c.scale) : 1.0 / std::sqrt(double(c.head_dim));
+  return reference_attention(exact(q), arange(c.tokens - c.chunk, c.chunk), exact(k), exact(v), scale, rules);
+}
+
+/// Checks a case's output (q and out in QueryType<T>) against the reference.
+template <class T>
+void run_case(const Case& c, Variant variant, std::uint64_t seed) {
+  using Q = QueryType<T>;
+  const std::vector<Q> out_data = attend_case<T, Q>(c, variant, seed);
+  const TensorView<const Q> out(out_data.data(), {c.batch, c.kv_heads * c.group, c.chunk, c.head_dim});
+  EXPECT_LE(max_error<Q>(out, reference_case<T>(c, variant, seed)), Tolerance<T>::value) << describe(c, variant);
 }
 
 template <class T>
@@ -321,6 +342,37 @@ TYPED_TEST(AttentionTyped, QueriesInTheStorageType) {
                            : std::is_same_v<T, float>         ? 2e-5
                                                               : 1e-12;
   EXPECT_LE(max_error<T>(out, want), tolerance);
+}
+
+// q and out in a 16-bit storage type, over every case of the grid: the queries hold the same
+// values as the float ones of run_case, so the output is the float-query output rounded once to
+// T. bfloat16 queries over bfloat16 keys are scored by products of bfloat16 pairs where the CPU
+// has them (AVX-512 BF16, score_key_pairs), every other pair of types as float queries are.
+template <class T>
+class StoredQueries : public ::testing::Test {};
+using SixteenBitTypes = ::testing::Types<Eigen::half, Eigen::bfloat16>;
+TYPED_TEST_SUITE(StoredQueries, SixteenBitTypes, TypeName);
+
+TYPED_TEST(StoredQueries, GiveTheFloatQueryOutputRoundedOnce) {
+  using T = TypeParam;
+  const double roundoff = std::is_same_v<T, Eigen::bfloat16> ? 0x1p-8 : 0x1p-11;  // half an ulp, relative
+  std::uint64_t seed = 5000;
+  for (const Case& c : kCases) {
+    for (Variant variant : {Variant::kDense, Variant::kConcat, Variant::kRing}) {
+      const std::vector<T> got = attend_case<T, T>(c, variant, seed);
+      const std::vector<float> wide = attend_case<T, float>(c, variant, seed);
+      // Both within Tolerance<T> of the exact output; got then rounded once.
+      std::size_t bad = got.size();
+      for (std::size_t i = 0; i < got.size() && bad == got.size(); ++i) {
+        const double w = wide[i];
+        if (!(std::abs(to_double(got[i]) - w) <= roundoff * std::abs(w) + 2 * Tolerance<T>::value)) bad = i;
+      }
+      EXPECT_EQ(bad, got.size()) << describe(c, variant) << ": value " << bad << " is "
+                                 << (bad < got.size() ? to_double(got[bad]) : 0.0) << ", float queries gave "
+                                 << (bad < got.size() ? wide[bad] : 0.0F);
+      seed += 10;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -788,6 +840,45 @@ TEST(AttentionMath, EveryHalfBitPatternWidensExactly) {
       }
     }
   }
+}
+#endif
+
+#if KVCACHE_BF16_PAIRS
+// Scores by products of bfloat16 pairs (AVX-512 BF16): small integers, whose products and sums
+// float holds exactly, so every score must be the exact dot product times the scale, in the
+// lane of its own query row and key.
+template <std::size_t R, std::size_t Dim>
+void expect_pair_scores() {
+  constexpr std::size_t K = detail::kVector<float> / R;
+  std::mt19937 rng(static_cast<unsigned>(R * Dim));
+  std::uniform_int_distribution<int> value(-15, 15);
+  std::vector<Eigen::bfloat16> queries(R * Dim), key_rows(K * Dim);
+  for (auto& x : queries) x = static_cast<Eigen::bfloat16>(static_cast<float>(value(rng)));
+  for (auto& x : key_rows) x = static_cast<Eigen::bfloat16>(static_cast<float>(value(rng)));
+  const Eigen::bfloat16* q[R];
+  float scores[R][K];
+  float* out[R];
+  for (std::size_t r = 0; r < R; ++r) {
+    q[r] = queries.data() + r * Dim;
+    out[r] = scores[r];
+  }
+  const Eigen::bfloat16* keys[K];
+  for (std::size_t k = 0; k < K; ++k) keys[k] = key_rows.data() + k * Dim;
+  detail::score_key_pairs<R, Dim>(q, keys, 0.25F, out);
+  for (std::size_t r = 0; r < R; ++r) {
+    for (std::size_t k = 0; k < K; ++k) {
+      float dot = 0;
+      for (std::size_t d = 0; d < Dim; ++d) dot += static_cast<float>(q[r][d]) * static_cast<float>(keys[k][d]);
+      EXPECT_EQ(scores[r][k], 0.25F * dot) << "R " << R << " Dim " << Dim << " row " << r << " key " << k;
+    }
+  }
+}
+
+TEST(AttentionMath, PairScoresAreExactDotProductsInTheirOwnLanes) {
+  expect_pair_scores<2, 64>();
+  expect_pair_scores<2, 128>();
+  expect_pair_scores<4, 128>();
+  expect_pair_scores<4, 256>();
 }
 #endif
 

@@ -114,6 +114,7 @@ class AttentionKernel {
   /// would otherwise spend a good part of its time zeroing them.
   struct Workspace {
     std::vector<Acc> queries, acc, max, sum;
+    std::vector<Q> given_queries;  // the block's queries as given, where score_key_pairs reads them
     std::unique_ptr<Acc[]> scores, keys, values;
     std::vector<VisibilityRule::Cover> covers;
     std::vector<std::size_t> readers;  // the rows whose query may see a key of the current tile
@@ -157,6 +158,7 @@ class AttentionKernel {
     constexpr bool convert = !std::is_same_v<Stored, T>;  // rows that do not widen in registers
     Workspace w;
     w.queries.resize(rows_ * dim_);
+    if (kScoresPairs) w.given_queries.resize(rows_ * dim_);
     w.acc.resize(rows_ * dim_);
     w.max.resize(rows_);
     w.sum.resize(rows_);
@@ -244,6 +246,9 @@ class AttentionKernel {
   // under AVX-512 and AVX2. Float at four query rows per kv head under AVX2, one core, S = 32,768:
   // 0.45 -> 0.51 of the plain read against two pairs of rows (one interleaved run, 2-core AMD
   // EPYC); bf16 see kHoldsKeys.
+  // bfloat16 queries over bfloat16 keys scored by pair products (score_key_pairs).
+  static constexpr bool kScoresPairs = KVCACHE_BF16_PAIRS && std::is_same_v<T, Eigen::bfloat16> &&
+                                       std::is_same_v<Q, Eigen::bfloat16> && std::is_same_v<Acc, float>;
   static constexpr bool kScoresFour =
       kVectorBytes >= 32 && kW % 4 == 0 && kScoreRegisters<4, Stored, Acc> <= kRegisters;
   // The longest V row that R rows of accumulators hold in registers at once.
@@ -264,6 +269,7 @@ class AttentionKernel {
       // Scaled, so that scores come out scaled; in the order the K rows are read in.
       for (std::size_t d = 0; d < dim_; ++d) dst[d] = load_as<Acc>(src, d) * scale_;
       reorder_row<Stored, Acc, true>(dst, dim_);
+      if constexpr (kScoresPairs) std::copy_n(src, dim_, w.given_queries.data() + r * dim_);
     }
   }
 
@@ -633,20 +639,34 @@ class AttentionKernel {
     }
   }
 
-  /// score() for a head size known at compile time (Dim), or not (0).
+  /// score() for a head size known at compile time (Dim), or not (0): kW / R keys at a time, by
+  /// score_key_pairs from the queries as given where they and the keys are bfloat16 pairs the
+  /// CPU multiplies (kScoresPairs), else by score_keys.
   template <std::size_t R, std::size_t Dim>
   void score_rows(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                   const RowFetcher& fetch) const noexcept {
     constexpr std::size_t kKeys = kW / R;
-    const Acc* q[R];
-    Acc* out[R];
-    for (std::size_t r = 0; r < R; ++r) q[r] = w.queries.data() + w.readers[i + r] * dim_;
-    for (std::size_t j = 0; j < count; j += kKeys) {
-      const Stored* rows[kKeys];
-      for (std::size_t k = 0; k < kKeys; ++k) rows[k] = keys + std::min(j + k, count - 1) * stride;
-      for (std::size_t r = 0; r < R; ++r) out[r] = w.scores.get() + w.readers[i + r] * tile_ + j;
-      for (std::size_t k = j; k < std::min(j + kKeys, count); ++k) fetch(k);
-      score_keys<R, Dim>(q, rows, dim_, out);
+    const auto each_key_group = [&](const auto& score_group) {
+      Acc* out[R];
+      for (std::size_t j = 0; j < count; j += kKeys) {
+        const Stored* rows[kKeys];
+        for (std::size_t k = 0; k < kKeys; ++k) rows[k] = keys + std::min(j + k, count - 1) * stride;
+        for (std::size_t r = 0; r < R; ++r) out[r] = w.scores.get() + w.readers[i + r] * tile_ + j;
+        for (std::size_t k = j; k < std::min(j + kKeys, count); ++k) fetch(k);
+        score_group(rows, out);
+      }
+    };
+    if constexpr (kScoresPairs && Dim != 0 && Dim % (2 * kW) == 0) {
+      const Q* q[R];
+      for (std::size_t r = 0; r < R; ++r) q[r] = w.given_queries.data() + w.readers[i + r] * dim_;
+      each_key_group([&](const Stored* const(&rows)[kKeys], Acc* const(&out)[R]) {
+        score_key_pairs<R, Dim>(q, rows, scale_, out);
+      });
+    } else {
+      const Acc* q[R];
+      for (std::size_t r = 0; r < R; ++r) q[r] = w.queries.data() + w.readers[i + r] * dim_;
+      each_key_group(
+          [&](const Stored* const(&rows)[kKeys], Acc* const(&out)[R]) { score_keys<R, Dim>(q, rows, dim_, out); });
     }
   }
 

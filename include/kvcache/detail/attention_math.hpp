@@ -470,6 +470,52 @@ KVCACHE_ALWAYS_INLINE inline void score_keys(const Acc* const (&q)[R], const T* 
   unroll<R>([&](auto r) { std::memcpy(out[r], lanes + r * K, K * sizeof(Acc)); });
 }
 
+#if KVCACHE_VECTOR_EXTENSIONS && defined(__AVX512BF16__) && defined(__AVX512F__)
+#define KVCACHE_BF16_PAIRS 1
+/// acc plus, in lane i, a[2i] b[2i] + a[2i + 1] b[2i + 1] for registers of bfloat16 pairs (AVX-512
+/// BF16): each product is exact in float (8 x 8 significant bits), each addition a float one, as
+/// a multiply-add's, with subnormal inputs and results taken as zero.
+inline Vector<float> add_pair_products(Vector<float> acc, const Vector<std::uint32_t>& a,
+                                       const Vector<std::uint32_t>& b) noexcept {
+  return std::bit_cast<Vector<float>>(
+      _mm512_dpbf16_ps(std::bit_cast<__m512>(acc), std::bit_cast<__m512bh>(a), std::bit_cast<__m512bh>(b)));
+}
+
+/// out[r][k] = scale (q[r] . keys[k]) for R bfloat16 query rows and K = W / R bfloat16 keys, Dim
+/// values each (a multiple of 2W): as score_keys, but a register of a key serves each query row
+/// by one instruction that multiplies and adds 2W values (add_pair_products), where widening it
+/// takes two and multiplying the halves two more. The queries are as given, in order, unscaled,
+/// so that no rounding is added to them: the scale is applied to the sums.
+template <std::size_t R, std::size_t Dim>
+KVCACHE_ALWAYS_INLINE inline void score_key_pairs(const Eigen::bfloat16* const (&q)[R],
+                                                  const Eigen::bfloat16* const (&keys)[kVector<float> / R], float scale,
+                                                  float* const (&out)[R]) noexcept {
+  using V = Vector<float>;
+  using Pairs = Vector<std::uint32_t>;
+  constexpr std::size_t W = kVector<float>;
+  constexpr std::size_t K = W / R;
+  static_assert(K * R == W, "score_key_pairs: R must divide the lanes.");
+  V acc[W];  // row r, key k at r * K + k
+  unroll<W>([&](auto i) { acc[i] = V{}; });
+  for_each_step<Dim, 2 * W>(Dim, [&](auto d) KVCACHE_ALWAYS_INLINE {
+    Pairs qv[R];
+    unroll<R>([&](auto r) { qv[r] = in_register(load_vector<Pairs>(q[r] + d)); });
+    unroll<K>([&](auto k) {
+      const Pairs x = in_register(load_vector<Pairs>(keys[k] + d));
+      unroll<R>([&](auto r) { acc[r * K + k] = add_pair_products(acc[r * K + k], qv[r], x); });
+    });
+  });
+  V ordered[W];
+  unroll<W>([&](auto l) { ordered[l] = acc[reverse_bits(l, W)]; });
+  const V sums = transpose_sum<W, W / 2>(ordered) * splat(scale);
+  float lanes[W];
+  store_vector(lanes, sums);
+  unroll<R>([&](auto r) { std::memcpy(out[r], lanes + r * K, K * sizeof(float)); });
+}
+#else
+#define KVCACHE_BF16_PAIRS 0
+#endif
+
 /// Whether the passes that read whole rows in order ask for each 64-byte line ahead as they read
 /// it rather than for a whole row as it begins: under AVX2, where asking for lines at the pace
 /// they are used, the K pass of four float query rows over one long stream read 0.86-0.89 of the
