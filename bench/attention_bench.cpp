@@ -48,6 +48,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvcache/kvcache.hpp"
@@ -140,11 +141,10 @@ double reference_error(const std::vector<float>& q, const std::vector<float>& ou
   return worst;
 }
 
-/// Whether an output's largest difference from the double reference is within float
-/// accumulation's reach over up to 32768 keys of values in [-0.5, 0.5]; if not, the benchmark is
-/// skipped with the error and the program fails.
-bool matches_reference(benchmark::State& state, double error) {
-  if (error <= 1e-4) return true;  // NaN is not
+/// Whether an output's largest difference from the double reference is within `tolerance`; if
+/// not, the benchmark is skipped with the error and the program fails.
+bool matches_reference(benchmark::State& state, double error, double tolerance) {
+  if (error <= tolerance) return true;  // NaN is not
   char message[96];
   std::snprintf(message, sizeof message, "output differs from the double reference by %.3g", error);
   state.SkipWithError(message);
@@ -173,22 +173,28 @@ std::pair<double, double> multiply_add_peak(std::size_t rounds) {
   return {seconds, 2.0 * static_cast<double>(rounds * kChains * kvcache::detail::kVector<float>)};
 }
 
-/// Args: H_q, S, threads.
-template <class T>
+/// Args: H_q, S, threads. q and out are Q: float, or the storage type (a model whose activations
+/// are bfloat16).
+template <class T, class Q = float>
 void BM_DecodeAttention(benchmark::State& state) {
   const auto q_heads = static_cast<std::size_t>(state.range(0));
   const auto tokens = static_cast<std::size_t>(state.range(1));
   const auto threads = static_cast<std::size_t>(state.range(2));
   DecodeSetup<T> setup(tokens);
-  std::vector<float> q(q_heads * kHeadDim);
-  for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(i % 13) / 13.0F - 0.5F;
-  std::vector<float> out(q.size());
+  std::vector<Q> q(q_heads * kHeadDim);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<Q>(static_cast<float>(i % 13) / 13.0F - 0.5F);
+  std::vector<Q> out(q.size());
   const std::vector<std::int64_t> position{static_cast<std::int64_t>(tokens)};
   const kvcache::Shape shape{1, q_heads, 1, kHeadDim};
   const kvcache::AttentionOptions options{.threads = threads};
-  kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), position, setup.history,
-                            kvcache::TensorView<float>(out.data(), shape), options);
-  if (!matches_reference(state, reference_error(q, out, setup.history, q_heads))) return;
+  kvcache::causal_attention(kvcache::TensorView<const Q>(q.data(), shape), position, setup.history,
+                            kvcache::TensorView<Q>(out.data(), shape), options);
+  // Float accumulation over up to 32768 keys of values in [-0.5, 0.5]; a 16-bit output is also
+  // rounded, by up to 2^-9 of 0.5.
+  const double tolerance = std::is_same_v<Q, float> ? 1e-4 : 1e-4 + 0x1p-10;
+  const std::vector<float> q_values(q.begin(), q.end());
+  const std::vector<float> out_values(out.begin(), out.end());
+  if (!matches_reference(state, reference_error(q_values, out_values, setup.history, q_heads), tolerance)) return;
   const auto buffers = setup.buffers();
   const DecodeSetup<T> twin(tokens);
   const auto twin_buffers = twin.buffers();
@@ -205,8 +211,8 @@ void BM_DecodeAttention(benchmark::State& state) {
     read_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(buffers, threads)); }));
     twin_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(twin_buffers, threads)); }));
     const double seconds = time_call([&] {
-      kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), position, setup.history,
-                                kvcache::TensorView<float>(out.data(), shape), options);
+      kvcache::causal_attention(kvcache::TensorView<const Q>(q.data(), shape), position, setup.history,
+                                kvcache::TensorView<Q>(out.data(), shape), options);
       benchmark::DoNotOptimize(out.data());
       benchmark::ClobberMemory();
     });
@@ -276,7 +282,7 @@ void BM_PrefillAttention(benchmark::State& state) {
             {all.keys.tokens(keys - window, window), all.values.tokens(keys - window, window),
              all.positions.subspan(keys - window)}};
   }
-  if (!matches_reference(state, reference_error(last_q, last_out, kvcache::History<T>{seen}, q_heads))) return;
+  if (!matches_reference(state, reference_error(last_q, last_out, kvcache::History<T>{seen}, q_heads), 1e-4)) return;
   double pairs = 0;
   for (std::size_t t = 0; t < chunk; ++t) {
     const std::size_t p = prefix + t;  // sees p + 1 keys, or its window and the sinks before it
@@ -347,6 +353,10 @@ void register_all() {
                        ->ArgNames({"H_q", "S", "threads"})
                        ->Args({h, s, t}));
         add_manual(benchmark::RegisterBenchmark("DecodeAttention<half>", BM_DecodeAttention<Eigen::half>)
+                       ->ArgNames({"H_q", "S", "threads"})
+                       ->Args({h, s, t}));
+        add_manual(benchmark::RegisterBenchmark("DecodeAttention<bfloat16>/q:bfloat16",
+                                                BM_DecodeAttention<Eigen::bfloat16, Eigen::bfloat16>)
                        ->ArgNames({"H_q", "S", "threads"})
                        ->Args({h, s, t}));
       }

@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <type_traits>
+#include <vector>
 
 #include "kvcache/kvcache.hpp"
 #include "variant.hpp"
@@ -21,8 +23,20 @@ void decode(const kvcache_ab::DecodeCall& call) {
   const kvcache::History<T> history{std::span<const kvcache::Segment<T>>(&segment, 1)};
   const kvcache::Shape q_shape{1, call.q_heads, 1, call.head_dim};
   const std::int64_t position = static_cast<std::int64_t>(call.tokens);
+  const kvcache::AttentionOptions options{.threads = call.threads};
+  if constexpr (!std::is_same_v<T, float>) {
+    if (call.stored_queries) {
+      std::vector<T> q(q_shape.size());
+      std::vector<T> out(q.size());
+      for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<T>(call.q[i]);
+      kvcache::causal_attention(kvcache::TensorView<const T>(q.data(), q_shape), std::span(&position, 1), history,
+                                kvcache::TensorView<T>(out.data(), q_shape), options);
+      for (std::size_t i = 0; i < q.size(); ++i) call.out[i] = static_cast<float>(out[i]);
+      return;
+    }
+  }
   kvcache::causal_attention(kvcache::TensorView<const float>(call.q, q_shape), std::span(&position, 1), history,
-                            kvcache::TensorView<float>(call.out, q_shape), {.threads = call.threads});
+                            kvcache::TensorView<float>(call.out, q_shape), options);
 }
 
 }  // namespace
