@@ -242,13 +242,18 @@ class AttentionKernel {
   static constexpr std::size_t kW = kVector<Acc>;  // keys scored at once
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
+  // bfloat16 queries over bfloat16 keys: four query rows are scored by pair products
+  // (score_key_pairs), half the K pass's multiply-adds. bf16 at H_q = 32, one core, S = 16,384
+  // and 32,768: 0.71-0.90 -> 0.76-0.90 of the plain read (10 of 12 interleaved pairs of runs
+  // closer, median +0.04), 13.0-13.3 -> 11.2-11.4 ns a key in cache. Two rows (H_q = 16) ran
+  // faster in cache (8.6 -> 7.5 ns a key) but 0.00-0.07 further from the plain read from memory
+  // (six pairs of runs), so they keep score_keys (AVX-512 AMD EPYC).
+  static constexpr bool kScoresPairs = KVCACHE_BF16_PAIRS && std::is_same_v<T, Eigen::bfloat16> &&
+                                       std::is_same_v<Q, Eigen::bfloat16> && std::is_same_v<Acc, float>;
   // Four query rows scored together, where their registers fit (kScoreRegisters): every type
   // under AVX-512 and AVX2. Float at four query rows per kv head under AVX2, one core, S = 32,768:
   // 0.45 -> 0.51 of the plain read against two pairs of rows (one interleaved run, 2-core AMD
   // EPYC); bf16 see kHoldsKeys.
-  // bfloat16 queries over bfloat16 keys scored by pair products (score_key_pairs).
-  static constexpr bool kScoresPairs = KVCACHE_BF16_PAIRS && std::is_same_v<T, Eigen::bfloat16> &&
-                                       std::is_same_v<Q, Eigen::bfloat16> && std::is_same_v<Acc, float>;
   static constexpr bool kScoresFour =
       kVectorBytes >= 32 && kW % 4 == 0 && kScoreRegisters<4, Stored, Acc> <= kRegisters;
   // The longest V row that R rows of accumulators hold in registers at once.
@@ -640,8 +645,8 @@ class AttentionKernel {
   }
 
   /// score() for a head size known at compile time (Dim), or not (0): kW / R keys at a time, by
-  /// score_key_pairs from the queries as given where they and the keys are bfloat16 pairs the
-  /// CPU multiplies (kScoresPairs), else by score_keys.
+  /// score_key_pairs from the queries as given for four rows where kScoresPairs, else by
+  /// score_keys.
   template <std::size_t R, std::size_t Dim>
   void score_rows(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                   const RowFetcher& fetch) const noexcept {
@@ -656,7 +661,7 @@ class AttentionKernel {
         score_group(rows, out);
       }
     };
-    if constexpr (kScoresPairs && Dim != 0 && Dim % (2 * kW) == 0) {
+    if constexpr (kScoresPairs && R == 4 && Dim != 0 && Dim % (2 * kW) == 0) {
       const Q* q[R];
       for (std::size_t r = 0; r < R; ++r) q[r] = w.given_queries.data() + w.readers[i + r] * dim_;
       each_key_group([&](const Stored* const(&rows)[kKeys], Acc* const(&out)[R]) {
