@@ -651,27 +651,27 @@ class AttentionKernel {
   void score_rows(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                   const RowFetcher& fetch) const noexcept {
     constexpr std::size_t kKeys = kW / R;
-    const auto each_key_group = [&](const auto& score_group) {
-      Acc* out[R];
-      for (std::size_t j = 0; j < count; j += kKeys) {
-        const Stored* rows[kKeys];
-        for (std::size_t k = 0; k < kKeys; ++k) rows[k] = keys + std::min(j + k, count - 1) * stride;
-        for (std::size_t r = 0; r < R; ++r) out[r] = w.scores.get() + w.readers[i + r] * tile_ + j;
-        for (std::size_t k = j; k < std::min(j + kKeys, count); ++k) fetch(k);
-        score_group(rows, out);
-      }
-    };
-    if constexpr (kScoresPairs && R == 4 && Dim != 0 && Dim % (2 * kW) == 0) {
-      const Q* q[R];
-      for (std::size_t r = 0; r < R; ++r) q[r] = w.given_queries.data() + w.readers[i + r] * dim_;
-      each_key_group([&](const Stored* const(&rows)[kKeys], Acc* const(&out)[R]) {
-        score_key_pairs<R, Dim>(q, rows, scale_, out);
-      });
+    constexpr bool pairs = kScoresPairs && R == 4 && Dim != 0 && Dim % (2 * kW) == 0;
+    using Query = std::conditional_t<pairs, Q, Acc>;
+    const Query* queries = nullptr;
+    if constexpr (pairs) {
+      queries = w.given_queries.data();
     } else {
-      const Acc* q[R];
-      for (std::size_t r = 0; r < R; ++r) q[r] = w.queries.data() + w.readers[i + r] * dim_;
-      each_key_group(
-          [&](const Stored* const(&rows)[kKeys], Acc* const(&out)[R]) { score_keys<R, Dim>(q, rows, dim_, out); });
+      queries = w.queries.data();
+    }
+    const Query* q[R];
+    Acc* out[R];
+    for (std::size_t r = 0; r < R; ++r) q[r] = queries + w.readers[i + r] * dim_;
+    for (std::size_t j = 0; j < count; j += kKeys) {
+      const Stored* rows[kKeys];
+      for (std::size_t k = 0; k < kKeys; ++k) rows[k] = keys + std::min(j + k, count - 1) * stride;
+      for (std::size_t r = 0; r < R; ++r) out[r] = w.scores.get() + w.readers[i + r] * tile_ + j;
+      for (std::size_t k = j; k < std::min(j + kKeys, count); ++k) fetch(k);
+      if constexpr (pairs) {
+        score_key_pairs<R, Dim>(q, rows, scale_, out);
+      } else {
+        score_keys<R, Dim>(q, rows, dim_, out);
+      }
     }
   }
 
