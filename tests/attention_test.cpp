@@ -665,19 +665,21 @@ TEST(AttentionViews, AcceptsConstAndMutableViewsAndVectors) {
   EXPECT_NE(a[0], 0.0F);
 }
 
-TEST(AttentionViews, OutMayBeQItself) {
-  // An engine that overwrites its query buffer with the attention output: the same answer as
-  // into a buffer of its own, over blocks of several queries, a ring's wrapped segments, and keys
-  // split across threads (one batch row and one kv head: its 3,000 keys are divided).
+// An engine that overwrites its query buffer with the attention output: the same answer as into
+// a buffer of its own, over blocks of several queries, a ring's wrapped segments, and keys split
+// across threads (one batch row and one kv head: its 3,000 keys are divided); for bfloat16 q and
+// out, through the pair scores of four query rows too.
+template <class T>
+void expect_out_may_be_q() {
   struct Shape4 {
     std::size_t batch, kv_heads, group, chunk, keys;
   };
   for (const Shape4& s : {Shape4{2, 2, 4, 7, 300}, Shape4{1, 1, 4, 1, 3000}}) {
     const std::size_t dim = 64;
-    const Block<float> k({s.batch, s.kv_heads, s.keys, dim}, 31);
-    const Block<float> v({s.batch, s.kv_heads, s.keys, dim}, 32);
-    const Block<float> q({s.batch, s.kv_heads * s.group, s.chunk, dim}, 33);
-    RingKvCache<float> ring(
+    const Block<T> k({s.batch, s.kv_heads, s.keys, dim}, 31);
+    const Block<T> v({s.batch, s.kv_heads, s.keys, dim}, 32);
+    const Block<T> q({s.batch, s.kv_heads * s.group, s.chunk, dim}, 33);
+    RingKvCache<T> ring(
         {.layers = 1, .batch = s.batch, .kv_heads = s.kv_heads, .head_dim = dim, .window = s.keys / 2, .sinks = 4});
     ring.update(0, k.view(), v.view(), arange(0, s.keys));
     const auto history =
@@ -685,15 +687,20 @@ TEST(AttentionViews, OutMayBeQItself) {
     ASSERT_GE(history.segments.size(), 2U);
     const std::vector<std::int64_t> positions = arange(s.keys, s.chunk);
     for (std::size_t threads : {std::size_t{1}, std::size_t{3}}) {
-      std::vector<float> apart(q.data.size());
-      causal_attention(q.view(), positions, history, TensorView<float>(apart.data(), q.shape), {.threads = threads});
-      std::vector<float> in_place = q.data;
-      const TensorView<float> both(in_place.data(), q.shape);
+      std::vector<T> apart(q.data.size());
+      causal_attention(q.view(), positions, history, TensorView<T>(apart.data(), q.shape), {.threads = threads});
+      std::vector<T> in_place = q.data;
+      const TensorView<T> both(in_place.data(), q.shape);
       causal_attention(both, positions, history, both, {.threads = threads});
       EXPECT_EQ(in_place, apart) << "threads " << threads << " keys " << s.keys;
       EXPECT_NE(in_place, q.data);
     }
   }
+}
+
+TEST(AttentionViews, OutMayBeQItself) {
+  expect_out_may_be_q<float>();
+  expect_out_may_be_q<Eigen::bfloat16>();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -243,11 +243,12 @@ class AttentionKernel {
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
   // bfloat16 queries over bfloat16 keys: four query rows are scored by pair products
-  // (score_key_pairs), half the K pass's multiply-adds. bf16 at H_q = 32, one core, S = 16,384
-  // and 32,768: 0.71-0.90 -> 0.76-0.90 of the plain read (10 of 12 interleaved pairs of runs
-  // closer, median +0.04), 13.0-13.3 -> 11.2-11.4 ns a key in cache. Two rows (H_q = 16) ran
-  // faster in cache (8.6 -> 7.5 ns a key) but 0.00-0.07 further from the plain read from memory
-  // (six pairs of runs), so they keep score_keys (AVX-512 AMD EPYC).
+  // (score_key_pairs), half the K pass's multiply-adds. bf16 at H_q = 32, S = 16,384 and 32,768:
+  // one core 0.71-0.88 -> 0.76-0.95 of the plain read, two 0.91-1.07 -> 0.97-1.18 (three runs
+  // of bench/ab, every cell closer; one core median +0.07), 13.3-13.6 -> 11.0-11.1 ns a key in
+  // cache. Two rows (H_q = 16) ran faster in cache (8.6 -> 7.5 ns a key) but 0.00-0.07 further
+  // from the plain read from memory (six pairs of runs), so they keep score_keys (AVX-512 AMD
+  // EPYC).
   static constexpr bool kScoresPairs = KVCACHE_BF16_PAIRS && std::is_same_v<T, Eigen::bfloat16> &&
                                        std::is_same_v<Q, Eigen::bfloat16> && std::is_same_v<Acc, float>;
   // Four query rows scored together, where their registers fit (kScoreRegisters): every type
