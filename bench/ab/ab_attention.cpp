@@ -14,7 +14,8 @@
 // memory no longer does (four 16-bit query rows per kv head on one AVX-512 AMD EPYC core).
 // `ns_per_key:<name>` is that revision's median call per key; `vs_read` is against reading the
 // same bytes from cache. ShortAB rows do the same over 8 kv heads of 16 or 512 keys, where a
-// call's fixed costs show (`us_per_call:<name>`).
+// call's fixed costs show (`us_per_call:<name>`). Rows named `.../q:bfloat16` hand the call
+// the same queries rounded to bfloat16 and take a bfloat16 output (a bfloat16 model's decode).
 //
 //   bench/ab/run.sh cdadbfa HEAD -- --benchmark_filter='<bfloat16>/H_q:32'
 //   bench/ab/run.sh cdadbfa HEAD -- --benchmark_filter=InCache
