@@ -241,8 +241,8 @@ void BM_DecodeAttention(benchmark::State& state) {
 /// (causal prefill), or over the last `window` positions and 4 sinks where window > 0. Reports `flops_per_second` (4 D
 /// flops per visible query-key pair and query head: the two products) and `vs_multiply_add_peak`, the median attention
 /// call's flop rate over the median rate of multiply_add_peak, timed in turn on every iteration. Args: T, P, H_q,
-/// threads, window.
-template <class T>
+/// threads, window. q and out are Q, as in BM_DecodeAttention.
+template <class T, class Q = float>
 void BM_PrefillAttention(benchmark::State& state) {
   const auto chunk = static_cast<std::size_t>(state.range(0));
   const auto prefix = static_cast<std::size_t>(state.range(1));
@@ -252,15 +252,15 @@ void BM_PrefillAttention(benchmark::State& state) {
   constexpr std::size_t kSinks = 4;
   const DecodeSetup<T> setup(prefix + chunk);
   const kvcache::Shape shape{1, q_heads, chunk, kHeadDim};
-  std::vector<float> q(shape.size());
-  for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(i % 13) / 13.0F - 0.5F;
-  std::vector<float> out(q.size());
+  std::vector<Q> q(shape.size());
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<Q>(static_cast<float>(i % 13) / 13.0F - 0.5F);
+  std::vector<Q> out(q.size());
   std::vector<std::int64_t> positions(chunk);
   std::iota(positions.begin(), positions.end(), static_cast<std::int64_t>(prefix));
   const kvcache::AttentionOptions options{.window = window, .sinks = window > 0 ? kSinks : 0, .threads = threads};
   const auto attend = [&] {
-    kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), positions, setup.history,
-                              kvcache::TensorView<float>(out.data(), shape), options);
+    kvcache::causal_attention(kvcache::TensorView<const Q>(q.data(), shape), positions, setup.history,
+                              kvcache::TensorView<Q>(out.data(), shape), options);
   };
   attend();
   // The last query's rows checked against the double reference over the keys it sees: every
@@ -269,10 +269,10 @@ void BM_PrefillAttention(benchmark::State& state) {
   std::vector<float> last_out(last_q.size());
   for (std::size_t h = 0; h < q_heads; ++h) {
     const std::size_t row = (h * chunk + chunk - 1) * kHeadDim;
-    std::copy_n(q.begin() + static_cast<std::ptrdiff_t>(row), kHeadDim,
-                last_q.begin() + static_cast<std::ptrdiff_t>(h * kHeadDim));
-    std::copy_n(out.begin() + static_cast<std::ptrdiff_t>(row), kHeadDim,
-                last_out.begin() + static_cast<std::ptrdiff_t>(h * kHeadDim));
+    for (std::size_t d = 0; d < kHeadDim; ++d) {
+      last_q[h * kHeadDim + d] = static_cast<float>(q[row + d]);
+      last_out[h * kHeadDim + d] = static_cast<float>(out[row + d]);
+    }
   }
   const std::size_t keys = prefix + chunk;
   const kvcache::Segment<T>& all = setup.history.segments.front();
@@ -282,7 +282,10 @@ void BM_PrefillAttention(benchmark::State& state) {
             {all.keys.tokens(keys - window, window), all.values.tokens(keys - window, window),
              all.positions.subspan(keys - window)}};
   }
-  if (!matches_reference(state, reference_error(last_q, last_out, kvcache::History<T>{seen}, q_heads), 1e-4)) return;
+  const double tolerance = std::is_same_v<Q, float> ? 1e-4 : 1e-4 + 0x1p-10;  // as for decode
+  if (!matches_reference(state, reference_error(last_q, last_out, kvcache::History<T>{seen}, q_heads), tolerance)) {
+    return;
+  }
   double pairs = 0;
   for (std::size_t t = 0; t < chunk; ++t) {
     const std::size_t p = prefix + t;  // sees p + 1 keys, or its window and the sinks before it
@@ -373,6 +376,10 @@ void register_all() {
                    ->ArgNames({"T", "P", "H_q", "threads", "window"})
                    ->Args(args));
     add_manual(benchmark::RegisterBenchmark("PrefillAttention<bfloat16>", BM_PrefillAttention<Eigen::bfloat16>)
+                   ->ArgNames({"T", "P", "H_q", "threads", "window"})
+                   ->Args(args));
+    add_manual(benchmark::RegisterBenchmark("PrefillAttention<bfloat16>/q:bfloat16",
+                                            BM_PrefillAttention<Eigen::bfloat16, Eigen::bfloat16>)
                    ->ArgNames({"T", "P", "H_q", "threads", "window"})
                    ->Args(args));
   }
