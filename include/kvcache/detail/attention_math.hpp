@@ -5,7 +5,8 @@
 // extensions, or a plain array elsewhere) of the width the including translation unit is
 // compiled for, so one code path runs at SSE2, AVX2 and AVX-512 alike. Scores come out W keys
 // at a time: W dot products kept in W accumulators, summed together by a transpose-and-add
-// tree, never one horizontal reduction per key. 16-bit rows are widened in registers.
+// tree, never one horizontal reduction per key. 16-bit rows are widened in registers, except
+// where bfloat16 queries meet bfloat16 keys on a CPU that multiplies bfloat16 pairs.
 
 #include <algorithm>
 #include <bit>
@@ -482,10 +483,10 @@ inline Vector<float> add_pair_products(Vector<float> acc, const Vector<std::uint
 }
 
 /// out[r][k] = scale (q[r] . keys[k]) for R bfloat16 query rows and K = W / R bfloat16 keys, Dim
-/// values each (a multiple of 2W): as score_keys, but a register of a key serves each query row
-/// by one instruction that multiplies and adds 2W values (add_pair_products), where widening it
-/// takes two and multiplying the halves two more. The queries are as given, in order, unscaled,
-/// so that no rounding is added to them: the scale is applied to the sums.
+/// values each (a multiple of 2W): as score_keys, but a register of a key's 2W values serves each
+/// query row by one instruction (add_pair_products) instead of two multiply-adds, and is never
+/// widened. The queries are as given, in order, unscaled, so that no rounding is added to them:
+/// the scale multiplies the sums.
 template <std::size_t R, std::size_t Dim>
 KVCACHE_ALWAYS_INLINE inline void score_key_pairs(const Eigen::bfloat16* const (&q)[R],
                                                   const Eigen::bfloat16* const (&keys)[kVector<float> / R], float scale,
