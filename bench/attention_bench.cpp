@@ -141,9 +141,12 @@ double reference_error(const std::vector<float>& q, const std::vector<float>& ou
   return worst;
 }
 
-/// Whether an output's largest difference from the double reference is within `tolerance`; if
-/// not, the benchmark is skipped with the error and the program fails.
-bool matches_reference(benchmark::State& state, double error, double tolerance) {
+/// Whether an output of type Q is as close to the double reference as float accumulation over up
+/// to 32768 keys of values in [-0.5, 0.5] keeps it, and a 16-bit output's rounding (up to 2^-9 of
+/// 0.5) besides; if not, the benchmark is skipped with the error and the program fails.
+template <class Q>
+bool matches_reference(benchmark::State& state, double error) {
+  constexpr double tolerance = std::is_same_v<Q, float> ? 1e-4 : 1e-4 + 0x1p-10;
   if (error <= tolerance) return true;  // NaN is not
   char message[96];
   std::snprintf(message, sizeof message, "output differs from the double reference by %.3g", error);
@@ -189,12 +192,9 @@ void BM_DecodeAttention(benchmark::State& state) {
   const kvcache::AttentionOptions options{.threads = threads};
   kvcache::causal_attention(kvcache::TensorView<const Q>(q.data(), shape), position, setup.history,
                             kvcache::TensorView<Q>(out.data(), shape), options);
-  // Float accumulation over up to 32768 keys of values in [-0.5, 0.5]; a 16-bit output is also
-  // rounded, by up to 2^-9 of 0.5.
-  const double tolerance = std::is_same_v<Q, float> ? 1e-4 : 1e-4 + 0x1p-10;
   const std::vector<float> q_values(q.begin(), q.end());
   const std::vector<float> out_values(out.begin(), out.end());
-  if (!matches_reference(state, reference_error(q_values, out_values, setup.history, q_heads), tolerance)) return;
+  if (!matches_reference<Q>(state, reference_error(q_values, out_values, setup.history, q_heads))) return;
   const auto buffers = setup.buffers();
   const DecodeSetup<T> twin(tokens);
   const auto twin_buffers = twin.buffers();
@@ -282,10 +282,7 @@ void BM_PrefillAttention(benchmark::State& state) {
             {all.keys.tokens(keys - window, window), all.values.tokens(keys - window, window),
              all.positions.subspan(keys - window)}};
   }
-  const double tolerance = std::is_same_v<Q, float> ? 1e-4 : 1e-4 + 0x1p-10;  // as for decode
-  if (!matches_reference(state, reference_error(last_q, last_out, kvcache::History<T>{seen}, q_heads), tolerance)) {
-    return;
-  }
+  if (!matches_reference<Q>(state, reference_error(last_q, last_out, kvcache::History<T>{seen}, q_heads))) return;
   double pairs = 0;
   for (std::size_t t = 0; t < chunk; ++t) {
     const std::size_t p = prefix + t;  // sees p + 1 keys, or its window and the sinks before it
