@@ -143,10 +143,14 @@ double reference_error(const std::vector<float>& q, const std::vector<float>& ou
 
 /// Whether an output of type Q is as close to the double reference as float accumulation over up
 /// to 32768 keys of values in [-0.5, 0.5] keeps it, and a 16-bit output's rounding (up to 2^-9 of
-/// 0.5) besides; if not, the benchmark is skipped with the error and the program fails.
+/// 0.5) besides, and for bfloat16 the weights' rounding to bfloat16 where V is weighed by pair
+/// products (at most 2^-8 / (1 - 2^-8) of the values' range, 1); if not, the benchmark is skipped
+/// with the error and the program fails.
 template <class Q>
 bool matches_reference(benchmark::State& state, double error) {
-  constexpr double tolerance = std::is_same_v<Q, float> ? 1e-4 : 1e-4 + 0x1p-10;
+  constexpr double tolerance = std::is_same_v<Q, float>             ? 1e-4
+                               : std::is_same_v<Q, Eigen::bfloat16> ? 1e-4 + 0x1p-10 + 0x1p-8 / (1 - 0x1p-8)
+                                                                    : 1e-4 + 0x1p-10;
   if (error <= tolerance) return true;  // NaN is not
   char message[96];
   std::snprintf(message, sizeof message, "output differs from the double reference by %.3g", error);

@@ -348,6 +348,10 @@ TYPED_TEST(AttentionTyped, QueriesInTheStorageType) {
 // values as the float ones of run_case, so the output is the float-query output rounded once to
 // T. bfloat16 queries over bfloat16 keys are scored by products of bfloat16 pairs where the CPU
 // has them (AVX-512 BF16, score_key_pairs), every other pair of types as float queries are.
+// There four query rows a kv head also weigh V by pair products (accumulate_pairs_in_l1), with
+// each weight rounded to bfloat16 (relative error e <= 2^-8) and the sum taken of the rounded
+// weights: the output moves by sum_j w_j e_j (v_j - out) / sum_j w_j (1 + e_j), at most
+// 2^-8 / (1 - 2^-8) times the largest |v_j - out|, 2 for values in [-1, 1].
 template <class T>
 class StoredQueries : public ::testing::Test {};
 using SixteenBitTypes = ::testing::Types<Eigen::half, Eigen::bfloat16>;
@@ -356,6 +360,8 @@ TYPED_TEST_SUITE(StoredQueries, SixteenBitTypes, TypeName);
 TYPED_TEST(StoredQueries, GiveTheFloatQueryOutputRoundedOnce) {
   using T = TypeParam;
   const double roundoff = std::is_same_v<T, Eigen::bfloat16> ? 0x1p-8 : 0x1p-11;  // half an ulp, relative
+  const double rounded_weights =
+      std::is_same_v<T, Eigen::bfloat16> && KVCACHE_BF16_PAIRS ? 2 * 0x1p-8 / (1 - 0x1p-8) : 0;
   std::uint64_t seed = 5000;
   for (const Case& c : kCases) {
     for (Variant variant : {Variant::kDense, Variant::kConcat, Variant::kRing}) {
@@ -365,7 +371,10 @@ TYPED_TEST(StoredQueries, GiveTheFloatQueryOutputRoundedOnce) {
       std::size_t bad = got.size();
       for (std::size_t i = 0; i < got.size() && bad == got.size(); ++i) {
         const double w = wide[i];
-        if (!(std::abs(to_double(got[i]) - w) <= roundoff * std::abs(w) + 2 * Tolerance<T>::value)) bad = i;
+        if (!(std::abs(to_double(got[i]) - w) <=
+              roundoff * (std::abs(w) + rounded_weights) + rounded_weights + 2 * Tolerance<T>::value)) {
+          bad = i;
+        }
       }
       EXPECT_EQ(bad, got.size()) << describe(c, variant) << ": value " << bad << " is "
                                  << (bad < got.size() ? to_double(got[bad]) : 0.0) << ", float queries gave "
@@ -886,6 +895,73 @@ TEST(AttentionMath, PairScoresAreExactDotProductsInTheirOwnLanes) {
   expect_pair_scores<2, 128>();
   expect_pair_scores<4, 128>();
   expect_pair_scores<4, 256>();
+}
+
+// The weights the pair-product V pass applies: each rounded to the nearest bfloat16 (ties to
+// even) as Eigen rounds it, at every length around the vector width, and the sum returned is
+// the sum of the rounded values.
+TEST(AttentionMath, RoundedWeightsAreEigensBfloat16AndTheirSum) {
+  constexpr std::size_t W = detail::kVector<float>;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> unit(0.0F, 1.0F);
+  for (std::size_t n = 0; n <= 3 * W + 1; ++n) {
+    std::vector<float> weights(n);
+    for (std::size_t j = 0; j < n; ++j) weights[j] = unit(rng);
+    // Ties: halfway between two bfloat16 values, below an even and below an odd one.
+    if (n > 1) weights[1] = std::bit_cast<float>(0x3F808000U);
+    if (n > 2) weights[2] = std::bit_cast<float>(0x3F818000U);
+    if (n > 3) weights[3] = 0.0F;
+    std::vector<std::uint16_t> rounded(n);
+    const float sum = detail::round_weights(weights.data(), n, rounded.data());
+    double want_sum = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      const auto want = Eigen::numext::bit_cast<std::uint16_t>(static_cast<Eigen::bfloat16>(weights[j]));
+      EXPECT_EQ(rounded[j], want) << "n " << n << " weight " << j << " = " << weights[j];
+      want_sum += static_cast<double>(static_cast<float>(static_cast<Eigen::bfloat16>(weights[j])));
+    }
+    EXPECT_NEAR(sum, want_sum, 1e-6 * static_cast<double>(n)) << "n " << n;
+  }
+}
+
+// The V pass by pair products: small integers and weights in sixteenths, whose products and
+// sums float holds exactly, so every sum must be exact, in lane_of order, for held rows and
+// rows summed in L1 alike, at even and odd key counts (the last key then paired with zeros).
+TEST(AttentionMath, PairSumsAreExactWeightedSumsInRegisterOrder) {
+  constexpr std::size_t R = 4;
+  constexpr std::size_t Dim = 128;
+  constexpr std::size_t kStride = Dim + 2 * detail::kVector<float>;
+  std::mt19937 rng(12);
+  std::uniform_int_distribution<int> value(-15, 15);
+  for (const std::size_t count : {std::size_t{1}, std::size_t{2}, std::size_t{7}, std::size_t{40}}) {
+    std::vector<Eigen::bfloat16> rows(count * kStride);
+    for (auto& x : rows) x = static_cast<Eigen::bfloat16>(static_cast<float>(value(rng)));
+    std::vector<std::uint16_t> weight_bits(R * count);
+    std::vector<float> start(R * Dim);
+    for (auto& x : start) x = static_cast<float>(value(rng));
+    std::vector<float> sums = start;
+    for (auto& bits : weight_bits) {
+      bits = Eigen::numext::bit_cast<std::uint16_t>(
+          static_cast<Eigen::bfloat16>(static_cast<float>(value(rng) + 15) / 16));
+    }
+    float* acc[R];
+    const std::uint16_t* weights[R];
+    for (std::size_t r = 0; r < R; ++r) {
+      acc[r] = sums.data() + r * Dim;
+      weights[r] = weight_bits.data() + r * count;
+    }
+    detail::accumulate_pairs_in_l1<R, Dim, 2>(acc, weights, rows.data(), kStride, count, detail::RowFetcher{});
+    for (std::size_t r = 0; r < R; ++r) {
+      for (std::size_t d = 0; d < Dim; ++d) {
+        const std::size_t lane = detail::lane_of<Eigen::bfloat16, float>(d, Dim);
+        float want = start[r * Dim + lane];
+        for (std::size_t j = 0; j < count; ++j) {
+          const float w = static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(weights[r][j]));
+          want += w * static_cast<float>(rows[j * kStride + d]);
+        }
+        EXPECT_EQ(sums[r * Dim + lane], want) << "count " << count << " row " << r << " d " << d;
+      }
+    }
+  }
 }
 #endif
 

@@ -114,7 +114,8 @@ class AttentionKernel {
   /// would otherwise spend a good part of its time zeroing them.
   struct Workspace {
     std::vector<Acc> queries, acc, max, sum;
-    std::vector<Q> given_queries;  // the block's queries as given, where score_key_pairs reads them
+    std::vector<Q> given_queries;                      // the block's queries as given (kScoresPairs)
+    std::unique_ptr<std::uint16_t[]> rounded_weights;  // a tile's weights in bfloat16 (kWeighsPairs)
     std::unique_ptr<Acc[]> scores, keys, values;
     std::vector<VisibilityRule::Cover> covers;
     std::vector<std::size_t> readers;  // the rows whose query may see a key of the current tile
@@ -159,6 +160,7 @@ class AttentionKernel {
     Workspace w;
     w.queries.resize(rows_ * dim_);
     if (kScoresPairs) w.given_queries.resize(rows_ * dim_);
+    if (kWeighsPairs) w.rounded_weights = std::unique_ptr<std::uint16_t[]>(new std::uint16_t[rows_ * tile_]);
     w.acc.resize(rows_ * dim_);
     w.max.resize(rows_);
     w.sum.resize(rows_);
@@ -251,6 +253,9 @@ class AttentionKernel {
   // EPYC).
   static constexpr bool kScoresPairs = KVCACHE_BF16_PAIRS && std::is_same_v<T, Eigen::bfloat16> &&
                                        std::is_same_v<Q, Eigen::bfloat16> && std::is_same_v<Acc, float>;
+  // The same four rows' pass over V (ThroughL1<4>) by pair products too, two keys a step, with
+  // the weights rounded to bfloat16 (accumulate_pairs_in_l1).
+  static constexpr bool kWeighsPairs = kScoresPairs;
   // Four query rows scored together, where their registers fit (kScoreRegisters): every type
   // under AVX-512 and AVX2. Float at four query rows per kv head under AVX2, one core, S = 32,768:
   // 0.45 -> 0.51 of the plain read against two pairs of rows (one interleaved run, 2-core AMD
@@ -424,6 +429,23 @@ class AttentionKernel {
                     scores[r] = w.scores.get() + w.active[i + r] * tile_;
                     max[r] = w.max[w.active[i + r]];
                   }
+#if KVCACHE_BF16_PAIRS
+                  if constexpr (kWeighsPairs && sums_in_l1(group)) {
+                    Acc* acc[R];
+                    const std::uint16_t* rounded[R];
+                    for (std::size_t r = 0; r < R; ++r) {
+                      const std::size_t row = w.active[i + r];
+                      std::uint16_t* const weights = w.rounded_weights.get() + row * tile_;
+                      weigh(scores[r], count, max[r]);
+                      w.sum[row] += round_weights(scores[r], count, weights);
+                      rounded[r] = weights;
+                      acc[r] = w.acc.data() + row * dim_;
+                    }
+                    accumulate_pairs_in_l1<R, kThroughL1Dim, kHeldRows<R>>(acc, rounded, values, stride, count,
+                                                                           i == 0 ? fetch : none);
+                    return;
+                  }
+#endif
                   if constexpr (!sums_in_l1(group)) {
                     if (weigh_in_pass && i == 0) {
                       const auto fetch_and_weigh = [&](std::size_t j) KVCACHE_ALWAYS_INLINE {

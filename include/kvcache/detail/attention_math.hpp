@@ -513,6 +513,66 @@ KVCACHE_ALWAYS_INLINE inline void score_key_pairs(const Eigen::bfloat16* const (
   store_vector(lanes, sums);
   unroll<R>([&](auto r) { std::memcpy(out[r], lanes + r * K, K * sizeof(float)); });
 }
+
+/// acc[r] += sum_j w[r][j] * rows[j] for R query rows over bfloat16 rows of Dim values, two keys
+/// a step by pair products: the two keys' values at each d are paired in one 32-bit lane and
+/// multiplied by the pair of their bfloat16 weights (`weights[r]`, round_weights' output) in
+/// one instruction, into float sums in lane_of order (even values, then odd, as RowReader reads
+/// them). The first Held rows' sums stay in registers, the others' in L1, as in
+/// accumulate_whole_rows_in_l1, whose fetch.line protocol this follows.
+template <std::size_t R, std::size_t Dim, std::size_t Held, class Fetch>
+inline void accumulate_pairs_in_l1(float* const (&acc)[R], const std::uint16_t* const (&weights)[R],
+                                   const Eigen::bfloat16* rows, std::size_t stride, std::size_t count,
+                                   const Fetch& given_fetch) noexcept {
+  const Fetch fetch = given_fetch;  // a copy of its own, whose fields the registers keep
+  using V = Vector<float>;
+  using Pairs = Vector<std::uint32_t>;
+  constexpr std::size_t W = kVector<float>;
+  constexpr std::size_t kRead = 2 * W;  // values a load takes
+  constexpr std::size_t L = R - Held;   // rows summed in L1
+  static_assert(Dim % kRead == 0, "accumulate_pairs_in_l1: Dim must be a whole number of reads.");
+  static_assert(Held < R, "accumulate_pairs_in_l1: at least one row is summed in L1.");
+  V held[std::max<std::size_t>(Held, 1)][Dim / W];
+  alignas(64) float sums[L][Dim];
+  unroll<Held>([&](auto r) { unroll<Dim / W>([&](auto c) { held[r][c] = load_vector<V>(acc[r] + c * W); }); });
+  for (std::size_t r = 0; r < L; ++r) std::copy_n(acc[Held + r], Dim, sums[r]);
+  // Keys j and j + 1 (a row of zeros for the second when `single`), weights paired likewise.
+  const auto step = [&](std::size_t j, bool single) KVCACHE_ALWAYS_INLINE {
+    Pairs p[R];
+    unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE {
+      std::uint32_t pair = weights[r][j];
+      if (!single) pair |= static_cast<std::uint32_t>(weights[r][j + 1]) << 16;
+      p[r] = pair - Pairs{};
+    });
+    unroll<Dim / kRead>([&](auto c) KVCACHE_ALWAYS_INLINE {
+      constexpr std::size_t offset = c * kRead * sizeof(Eigen::bfloat16);
+      const Eigen::bfloat16* first = rows + j * stride + c * kRead;
+      Pairs b{};
+      if (!single) {
+        fetch.line(j, offset);
+        fetch.line(j + 1, offset);
+        b = in_register(load_vector<Pairs>(first + stride));
+      }
+      const Pairs a = in_register(load_vector<Pairs>(first));
+      // Lane l: the even values 2l of both keys, then the odd values 2l + 1.
+      const Pairs x[2] = {in_register((a & 0xFFFFU) | (b << 16)), in_register((a >> 16) | (b & 0xFFFF0000U))};
+      unroll<2>([&](auto s) KVCACHE_ALWAYS_INLINE {
+        unroll<Held>([&](auto r) KVCACHE_ALWAYS_INLINE {
+          held[r][2 * c + s] = add_pair_products(held[r][2 * c + s], x[s], p[r]);
+        });
+        unroll<L>([&](auto r) KVCACHE_ALWAYS_INLINE {
+          float* const sum = sums[r] + (2 * c + s) * W;
+          store_vector(sum, add_pair_products(load_vector<V>(sum), x[s], p[Held + r]));
+        });
+      });
+    });
+  };
+  std::size_t j = 0;
+  for (; j + 2 <= count; j += 2) step(j, false);
+  if (j < count) step(j, true);
+  unroll<Held>([&](auto r) { unroll<Dim / W>([&](auto c) { store_vector(acc[r] + c * W, held[r][c]); }); });
+  for (std::size_t r = 0; r < L; ++r) std::copy_n(sums[r], Dim, acc[Held + r]);
+}
 #else
 #define KVCACHE_BF16_PAIRS 0
 #endif
@@ -839,6 +899,32 @@ inline double exp_nonpositive(double x) noexcept { return x == -HUGE_VAL ? 0.0 :
 inline Vector<float> exp_nonpositive(const Vector<float>& x) noexcept { return exp_nonpositive_steps(x); }
 #else
 #define KVCACHE_VECTOR_EXP 0
+#endif
+
+#if KVCACHE_BF16_PAIRS
+/// Rounds n weights (finite, >= 0) to bfloat16, to nearest even, into `rounded`, and returns the
+/// sum of the rounded values, so that the weights the V pass applies are the ones it divides by.
+inline float round_weights(const float* weights, std::size_t n, std::uint16_t* rounded) noexcept {
+  using V = Vector<float>;
+  using Bits = Vector<std::uint32_t>;
+  using Halves = std::uint16_t __attribute__((vector_size(kVectorBytes / 2)));
+  constexpr std::size_t W = kVector<float>;
+  const auto round = [](auto bits) { return (bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16; };  // a float's top half
+  V lanes = splat(0.0F);
+  std::size_t j = 0;
+  for (; j + W <= n; j += W) {
+    const Bits top = round(load_vector<Bits>(weights + j));
+    store_vector(rounded + j, __builtin_convertvector(top, Halves));
+    lanes += std::bit_cast<V>(top << 16);
+  }
+  float sum = fold_halves<W / 2>(lanes, [](const V& a, const V& b) { return a + b; })[0];
+  for (; j < n; ++j) {
+    const std::uint32_t top = round(std::bit_cast<std::uint32_t>(weights[j]));
+    rounded[j] = static_cast<std::uint16_t>(top);
+    sum += std::bit_cast<float>(top << 16);
+  }
+  return sum;
+}
 #endif
 
 }  // namespace kvcache::detail
