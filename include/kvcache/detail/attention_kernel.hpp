@@ -253,8 +253,13 @@ class AttentionKernel {
   // EPYC).
   static constexpr bool kScoresPairs = KVCACHE_BF16_PAIRS && std::is_same_v<T, Eigen::bfloat16> &&
                                        std::is_same_v<Q, Eigen::bfloat16> && std::is_same_v<Acc, float>;
-  // The same four rows' pass over V (ThroughL1<4>) by pair products too, two keys a step, with
-  // the weights rounded to bfloat16 (accumulate_pairs_in_l1).
+  // Their passes over V (ThroughL1<4>) by pair products too, two keys a step, the weights
+  // rounded to bfloat16 as in other attention kernels that multiply bfloat16 values by them
+  // (accumulate_pairs_in_l1). bf16 at four query rows a kv head, one core, in cache: 10.9-12.2
+  // -> 9.7-10.9 ns a key in six interleaved runs while the core ran at full speed, -7% to +6% in
+  // five while other work on the host slowed it to 14-20 ns a key. From memory at H_q = 32, S =
+  // 16,384 and 32,768, against the plain read (three runs): one core -0.03 to +0.08 (median
+  // +0.01), two cores -0.01 to +0.08 (median +0.06) (AVX-512 AMD EPYC).
   static constexpr bool kWeighsPairs = kScoresPairs;
   // Four query rows scored together, where their registers fit (kScoreRegisters): every type
   // under AVX-512 and AVX2. Float at four query rows per kv head under AVX2, one core, S = 32,768:
@@ -580,7 +585,10 @@ class AttentionKernel {
   /// one from cache (2-core AMD EPYC). Else that one row (float at four query rows per kv head,
   /// one core, S = 32,768: 0.38-0.46 -> 0.52-0.58 of the plain read, against four rows over a
   /// quarter of each row at a time). The rest read the tile from cache four rows at a time,
-  /// then two, then one.
+  /// then two, then one; where kWeighsPairs, four rows at D = 128 by pair products too (causal
+  /// prefill with bfloat16 queries, 16 query heads, one core: of the multiply-add peak 0.79-0.82
+  /// -> 0.82-0.85 from position 0, 0.91-0.94 -> 0.96-0.99 after 2,048 tokens, two interleaved
+  /// runs; AVX-512 AMD EPYC).
   template <class F>
   void for_each_value_group(std::size_t n, const F& f) const {
     using Four = std::integral_constant<std::size_t, 4>;
@@ -604,7 +612,13 @@ class AttentionKernel {
       f(One{}, i);
       i += 1;
     }
-    for (; i + 4 <= n; i += 4) f(Four{}, i);
+    for (; i + 4 <= n; i += 4) {
+      if (kWeighsPairs && dim_ == kThroughL1Dim) {
+        f(ThroughL1<4>{}, i);  // pair products from cache as well
+      } else {
+        f(Four{}, i);
+      }
+    }
     for (; i + 2 <= n; i += 2) f(Two{}, i);
     for (; i < n; ++i) f(One{}, i);
   }
