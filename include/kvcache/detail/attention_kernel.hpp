@@ -587,7 +587,7 @@ class AttentionKernel {
   /// quarter of each row at a time). The rest read the tile from cache four rows at a time,
   /// then two, then one; where kWeighsPairs, four rows at D = 128 by pair products too (causal
   /// prefill with bfloat16 queries, 16 query heads, one core: of the multiply-add peak 0.79-0.82
-  /// -> 0.82-0.85 from position 0, 0.91-0.94 -> 0.96-0.99 after 2,048 tokens, two interleaved
+  /// -> 0.82-0.86 from position 0, 0.91-0.94 -> 0.96-0.99 after 2,048 tokens, two interleaved
   /// runs; AVX-512 AMD EPYC).
   template <class F>
   void for_each_value_group(std::size_t n, const F& f) const {
