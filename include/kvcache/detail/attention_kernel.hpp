@@ -254,12 +254,12 @@ class AttentionKernel {
   static constexpr bool kScoresPairs = KVCACHE_BF16_PAIRS && std::is_same_v<T, Eigen::bfloat16> &&
                                        std::is_same_v<Q, Eigen::bfloat16> && std::is_same_v<Acc, float>;
   // Their passes over V (ThroughL1<4>) by pair products too, two keys a step, the weights
-  // rounded to bfloat16 as in other attention kernels that multiply bfloat16 values by them
-  // (accumulate_pairs_in_l1). bf16 at four query rows a kv head, one core, in cache: 10.9-12.2
-  // -> 9.7-10.9 ns a key in six interleaved runs while the core ran at full speed, -14% to +6% in
-  // five while other work on the host slowed it to 14-20 ns a key. From memory at H_q = 32, S =
-  // 16,384 and 32,768, against the plain read (three runs): one core -0.03 to +0.08 (median
-  // +0.01), two cores -0.01 to +0.08 (median +0.06) (AVX-512 AMD EPYC).
+  // rounded to bfloat16, the precision of the values they multiply (accumulate_pairs_in_l1).
+  // bf16 at four query rows a kv head, one core, in cache: 10.9-12.2 -> 9.7-10.9 ns a key in six
+  // interleaved runs while the core ran at full speed, -14% to +6% in five while other work on
+  // the host slowed it to 14-20 ns a key. From memory at H_q = 32, S = 16,384 and 32,768, against
+  // the plain read (three runs): one core -0.03 to +0.08 (median +0.01), two cores -0.01 to
+  // +0.08 (median +0.06) (AVX-512 AMD EPYC).
   static constexpr bool kWeighsPairs = kScoresPairs;
   // Four query rows scored together, where their registers fit (kScoreRegisters): every type
   // under AVX-512 and AVX2. Float at four query rows per kv head under AVX2, one core, S = 32,768:
