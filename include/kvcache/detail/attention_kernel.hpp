@@ -698,16 +698,23 @@ class AttentionKernel {
     }
     const Query* q[R];
     Acc* out[R];
-    for (std::size_t r = 0; r < R; ++r) q[r] = queries + w.readers[i + r] * dim_;
+    // Found once: found at every step, they were loaded again each time (the scores' stores may
+    // alias w's fields for all GCC knows). In cache, medians of six: four rows 4-6% faster
+    // (float 15.6 -> 15.0, bf16 13.4 -> 12.5, bf16 queries 10.4 -> 10.0 ns a key), two 1-6%.
+    for (std::size_t r = 0; r < R; ++r) {
+      q[r] = queries + w.readers[i + r] * dim_;
+      out[r] = w.scores.get() + w.readers[i + r] * tile_;
+    }
     for (std::size_t j = 0; j < count; j += kKeys) {
       const Stored* rows[kKeys];
       for (std::size_t k = 0; k < kKeys; ++k) rows[k] = keys + std::min(j + k, count - 1) * stride;
-      for (std::size_t r = 0; r < R; ++r) out[r] = w.scores.get() + w.readers[i + r] * tile_ + j;
       for (std::size_t k = j; k < std::min(j + kKeys, count); ++k) fetch(k);
+      Acc* at[R];
+      for (std::size_t r = 0; r < R; ++r) at[r] = out[r] + j;
       if constexpr (pairs) {
-        score_key_pairs<R, Dim>(q, rows, scale_, out);
+        score_key_pairs<R, Dim>(q, rows, scale_, at);
       } else {
-        score_keys<R, Dim>(q, rows, dim_, out);
+        score_keys<R, Dim>(q, rows, dim_, at);
       }
     }
   }
