@@ -538,12 +538,14 @@ inline void accumulate_pairs_in_l1(float* const (&acc)[R], const std::uint16_t* 
   for (std::size_t r = 0; r < L; ++r) std::copy_n(acc[Held + r], Dim, sums[r]);
   // Keys j and j + 1 (a row of zeros for the second when `single`), weights paired likewise.
   const auto step = [&](std::size_t j, bool single) KVCACHE_ALWAYS_INLINE {
-    Pairs p[R];
-    unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE {
+    // Weights j and j + 1 lie side by side, j at the lower address: one 32-bit load, which the
+    // broadcast takes from memory, instead of two 16-bit ones joined by a shift and an or (in
+    // cache, medians of six and of eight: 10.2 -> 9.8 and 10.1 -> 9.8 ns a key).
+    const auto weight_pair = [&](std::size_t r) KVCACHE_ALWAYS_INLINE {
       std::uint32_t pair = weights[r][j];
-      if (!single) pair |= static_cast<std::uint32_t>(weights[r][j + 1]) << 16;
-      p[r] = pair - Pairs{};
-    });
+      if (!single) std::memcpy(&pair, weights[r] + j, sizeof pair);
+      return pair - Pairs{};
+    };
     unroll<Dim / kRead>([&](auto c) KVCACHE_ALWAYS_INLINE {
       constexpr std::size_t offset = c * kRead * sizeof(Eigen::bfloat16);
       const Eigen::bfloat16* first = rows + j * stride + c * kRead;
@@ -558,11 +560,11 @@ inline void accumulate_pairs_in_l1(float* const (&acc)[R], const std::uint16_t* 
       const Pairs x[2] = {in_register((a & 0xFFFFU) | (b << 16)), in_register((a >> 16) | (b & 0xFFFF0000U))};
       unroll<2>([&](auto s) KVCACHE_ALWAYS_INLINE {
         unroll<Held>([&](auto r) KVCACHE_ALWAYS_INLINE {
-          held[r][2 * c + s] = add_pair_products(held[r][2 * c + s], x[s], p[r]);
+          held[r][2 * c + s] = add_pair_products(held[r][2 * c + s], x[s], weight_pair(r));
         });
         unroll<L>([&](auto r) KVCACHE_ALWAYS_INLINE {
           float* const sum = sums[r] + (2 * c + s) * W;
-          store_vector(sum, add_pair_products(load_vector<V>(sum), x[s], p[Held + r]));
+          store_vector(sum, add_pair_products(load_vector<V>(sum), x[s], weight_pair(Held + r)));
         });
       });
     });
