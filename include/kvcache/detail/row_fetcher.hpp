@@ -77,6 +77,19 @@ class RowFetcher {
     }
   }
 
+  /// operator() for rows of Bytes bytes known at compile time: the lines asked for one by one,
+  /// without a loop's bookkeeping.
+  template <std::size_t Bytes>
+  KVCACHE_ALWAYS_INLINE void row(std::size_t j) const noexcept {
+    if (j + ahead_ >= end_) return;
+    const char* row = rows_ + (j + ahead_) * stride_;
+    if (into_l2_) {
+      prefetch_lines<1, Bytes>(row);
+    } else {
+      prefetch_lines<3, Bytes>(row);
+    }
+  }
+
   /// Row j's 64-byte line at byte `offset` is being read: asks for the same line of the row
   /// ahead, for passes that ask a line at a time.
   KVCACHE_ALWAYS_INLINE void line(std::size_t j, std::size_t offset) const noexcept {
@@ -98,6 +111,15 @@ class RowFetcher {
 #else
     (void)p;
     (void)bytes;
+#endif
+  }
+
+  template <int Locality, std::size_t Bytes>
+  KVCACHE_ALWAYS_INLINE static void prefetch_lines(const char* p) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+    unroll<(Bytes + 63) / 64>([&](auto line) KVCACHE_ALWAYS_INLINE { __builtin_prefetch(p + line * 64, 0, Locality); });
+#else
+    (void)p;
 #endif
   }
 
