@@ -710,7 +710,7 @@ class AttentionKernel {
       for (std::size_t k = 0; k < kKeys; ++k) rows[k] = keys + std::min(j + k, count - 1) * stride;
       // Rows of up to four lines asked for line by line, unrolled, not by RowFetcher's loop (in
       // cache, medians of ten: two rows 2-4% faster in every type, four bf16-query rows 5-6%,
-      // bf16 1-6%, half 1-2% slower; float's 512-byte rows lost 3% so and keep the loop).
+      // bf16 1-6%, half 0.5-2% slower; float's 512-byte rows lost 3% so and keep the loop).
       if constexpr (Dim != 0 && Dim * sizeof(Stored) <= 256) {
         for (std::size_t k = j; k < std::min(j + kKeys, count); ++k) fetch.template row<Dim * sizeof(Stored)>(k);
       } else {
