@@ -9,6 +9,7 @@
 #   bench/ab/run.sh cdadbfa WORKTREE -- --benchmark_filter='<bfloat16>/H_q:32'
 #   KVCACHE_AB_FLAGS=-mno-avx512f bench/ab/run.sh cdadbfa HEAD        # another vector width
 #   KVCACHE_AB_CXX=clang++ bench/ab/run.sh cdadbfa HEAD                # another compiler
+#   KVCACHE_AB_KEEP=/tmp/ab bench/ab/run.sh HEAD -- ...                # keep the program (for perf)
 #
 # Revisions are named r0, r1, ... in the counters (vs_read:r0 is the first one given), in the
 # order given. Needs g++ (or KVCACHE_AB_CXX) and the Debian packages of scripts/install-deps.sh.
@@ -49,4 +50,5 @@ done
 wait
 "$cxx" "${flags[@]}" "-DKVCACHE_AB_VARIANTS(X)=$list" -I"$root/include" -I"$root/bench" -I"$root/bench/ab" \
   "$root/bench/ab/ab_attention.cpp" "${objects[@]}" -o "$work/ab_attention" -lbenchmark -lpthread
+if [[ -n "${KVCACHE_AB_KEEP:-}" ]]; then cp "$work/ab_attention" "$KVCACHE_AB_KEEP"; fi
 "$work/ab_attention" "$@"
