@@ -12,9 +12,10 @@
 #include <iterator>
 #include <numeric>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
+
+#include "kvcache/detail/worker_pool.hpp"
 
 namespace kvcache::bench {
 
@@ -67,10 +68,7 @@ inline float read_all(const std::vector<std::pair<const float*, std::size_t>>& b
       sums[worker] += sum_floats(data + begin, end - begin);
     }
   };
-  std::vector<std::thread> pool;
-  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
-  work(0);
-  for (std::thread& t : pool) t.join();
+  kvcache::detail::run_workers(threads, work);
   return std::accumulate(sums.begin(), sums.end(), 0.0F);
 }
 

@@ -14,7 +14,6 @@
 #include <limits>
 #include <memory>
 #include <span>
-#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -23,6 +22,7 @@
 #include "kvcache/detail/assert.hpp"
 #include "kvcache/detail/attention_math.hpp"
 #include "kvcache/detail/row_fetcher.hpp"
+#include "kvcache/detail/worker_pool.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache::detail {
@@ -823,23 +823,6 @@ inline std::size_t attention_threads(std::size_t requested, std::size_t work_byt
   // Asked once: glibc reads /sys for it on every call (5-6 us a decode call here).
   static const std::size_t hardware = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
   return std::min(wanted, hardware);
-}
-
-/// Runs `work(worker)` on `workers` threads, the caller's included; `work` takes items until
-/// none are left. If a thread cannot be started, the ones running (and the caller) do its share.
-template <class Work>
-void run_workers(std::size_t workers, const Work& work) {
-  std::vector<std::thread> threads;
-  threads.reserve(workers > 0 ? workers - 1 : 0);
-  for (std::size_t i = 1; i < workers; ++i) {
-    try {
-      threads.emplace_back([&work, i] { work(i); });
-    } catch (const std::system_error&) {
-      break;
-    }
-  }
-  work(0);
-  for (std::thread& t : threads) t.join();
 }
 
 /// Plans the work items and runs them: blocks of queries per (batch, kv head), and when that
