@@ -1027,12 +1027,12 @@ TEST(AttentionThreads, AutomaticCountFollowsTheWork) {
   // A requested count is taken as it is, whatever the work.
   EXPECT_EQ(detail::attention_threads(3, 0), 3U);
   EXPECT_EQ(detail::attention_threads(1, 1024 * kMiB), 1U);
-  // Automatic: one thread per 8 MiB of K and V, at least one, at most the hardware's.
+  // Automatic: one thread per MiB of K and V, at least one, at most the hardware's.
   EXPECT_EQ(detail::attention_threads(0, 0), 1U);
-  EXPECT_EQ(detail::attention_threads(0, 8 * kMiB - 1), 1U);
-  EXPECT_EQ(detail::attention_threads(0, 16 * kMiB), std::min<std::size_t>(2, hardware));
-  EXPECT_EQ(detail::attention_threads(0, 24 * kMiB - 1), std::min<std::size_t>(2, hardware));
-  EXPECT_EQ(detail::attention_threads(0, 8 * kMiB * 1000), std::min<std::size_t>(1000, hardware));
+  EXPECT_EQ(detail::attention_threads(0, 2 * kMiB - 1), 1U);
+  EXPECT_EQ(detail::attention_threads(0, 2 * kMiB), std::min<std::size_t>(2, hardware));
+  EXPECT_EQ(detail::attention_threads(0, 3 * kMiB - 1), std::min<std::size_t>(2, hardware));
+  EXPECT_EQ(detail::attention_threads(0, kMiB * 1000), std::min<std::size_t>(1000, hardware));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -26,11 +26,14 @@ namespace kvcache {
 /// How causal_attention scores and masks, with designated initializers:
 ///
 ///   kvcache::causal_attention(q, positions, history, out, {.window = 4096, .sinks = 4, .threads = 1});
+///
+/// Threads besides the caller's are kept between calls, blocked while idle, and shared by the
+/// process; a call that finds them busy with another thread's call starts its own.
 struct AttentionOptions {
   float scale = 0.0f;       // 0 = 1/sqrt(D)
   std::size_t window = 0;   // 0 = none; key k visible to query p iff p - window < k <= p (or 0 <= k < sinks)
   std::size_t sinks = 0;    // positions 0 .. sinks - 1 stay visible through the window
-  std::size_t threads = 0;  // 0 = automatic (a thread per 8 MiB of K and V read); 1 = the caller's only
+  std::size_t threads = 0;  // 0 = automatic (a thread per MiB of K and V read); 1 = the caller's only
 };
 
 namespace detail {

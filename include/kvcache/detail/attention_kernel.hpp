@@ -811,12 +811,14 @@ class AttentionKernel {
 };
 
 /// Threads for `work_bytes` of K and V reads: `requested`, or for 0 one per kBytesPerThread of
-/// work, at least one and at most the hardware's. Starting and joining a thread costs about what
-/// one core takes to read a few MiB: decoding layer after layer from memory (bench/threads_bench)
-/// on an AVX-512 AMD EPYC, three runs: two threads took 2.1-3.0 times as long as one at 0.5-1 MiB
-/// per call, 0.91-1.34 times at 2-4 MiB, 0.94-1.16 times at 8 MiB, 0.78-0.94 times at 16-32 MiB.
+/// work, at least one and at most the hardware's. Waking a kept thread (WorkerPool) and waiting
+/// for it costs about what one core takes to read 1-2 MiB: decoding layer after layer from
+/// memory (bench/threads_bench) on a 2-vCPU AMD EPYC, four runs, two threads took 1.20-1.54
+/// times as long as one at 0.5 MiB per call, 1.12-1.23 at 1 MiB, 0.79-1.11 at 2 MiB (three runs
+/// under 0.9), 0.65-0.82 at 4 MiB and 0.43-0.74 at 8-32 MiB. (Threads started for each call had
+/// cost a few MiB: 2.1-3.0 times as long at 0.5-1 MiB, 0.78-0.94 at 16-32 MiB.)
 inline std::size_t attention_threads(std::size_t requested, std::size_t work_bytes) noexcept {
-  constexpr std::size_t kBytesPerThread = std::size_t{8} << 20;
+  constexpr std::size_t kBytesPerThread = std::size_t{1} << 20;
   if (requested != 0) return requested;
   const std::size_t wanted = work_bytes / kBytesPerThread;
   if (wanted <= 1) return 1;
