@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// Threads kept between attention calls. Starting a thread and joining it cost a call about
-// 0.1-0.25 ms on the 2-vCPU VM measured (clone about 0.09 ms; the join's wake-up 0.03-0.16 ms
-// more when the helper finishes last), a tenth of a decode call over 16 MiB of K and V on two
-// cores. Kept threads wait blocked, so an idle pool costs no CPU time.
+// Threads kept between attention calls. Starting a helper thread and joining it had cost a
+// decode call 0.19-0.32 ms on the 2-vCPU AMD EPYC VM measured (clone 0.09-0.14 ms; the join's
+// wake-up 0.05-0.16 ms more where the helper finished last): 12-20% of a call over 64 MiB of K
+// and V on two cores. Kept threads wait blocked, so an idle pool costs no CPU time.
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +29,8 @@ struct PoolJob {
   std::size_t helpers = 0;  // pool threads that take part, as workers 1 .. helpers
 };
 
+/// Helper threads shared by the process, started as calls first ask for them and kept; one
+/// caller's job at a time.
 class WorkerPool {
  public:
   WorkerPool() = default;
@@ -51,13 +53,12 @@ class WorkerPool {
   bool try_run(PoolJob job) noexcept {
     const std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (!busy.owns_lock() || !same_process()) return false;
-    while (threads_.size() < job.helpers) {
-      try {
-        threads_.reserve(job.helpers);
+    try {
+      threads_.reserve(job.helpers);
+      while (threads_.size() < job.helpers) {
         threads_.emplace_back([this, index = threads_.size() + 1] { serve(index); });
-      } catch (...) {  // std::system_error from the thread, std::bad_alloc from the vector
-        break;
       }
+    } catch (...) {  // std::system_error from a thread, std::bad_alloc from the vector: fewer helpers
     }
     job.helpers = std::min(job.helpers, threads_.size());
     if (job.helpers == 0) return false;
