@@ -70,7 +70,7 @@ class WorkerPool {
     }
     wake_.notify_all();
     job.call(job.context, 0);
-    // Spun, not slept: a caller that blocks here is woken 0.03-0.16 ms after the last helper
+    // Spun, not slept: a caller that blocks here is woken 0.05-0.16 ms after the last helper
     // is done (2-vCPU VM), while what is left to wait for is at most one helper's last item.
     while (pending_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
     return true;
