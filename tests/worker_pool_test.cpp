@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
@@ -25,10 +26,7 @@ struct Census {
   explicit Census(std::size_t workers) : runs(workers) {}
 
   [[nodiscard]] bool each_once() const {
-    for (const std::atomic<int>& r : runs) {
-      if (r.load() != 1) return false;
-    }
-    return true;
+    return std::ranges::all_of(runs, [](const std::atomic<int>& r) { return r.load() == 1; });
   }
 };
 

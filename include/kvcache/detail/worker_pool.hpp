@@ -42,7 +42,7 @@ class WorkerPool {
   /// are destroyed still finds it, and a forked child, which has none of its threads, never
   /// joins them.
   static WorkerPool& shared() {
-    static WorkerPool* const pool = new WorkerPool;
+    static auto* const pool = new WorkerPool;
     return *pool;
   }
 
