@@ -309,9 +309,10 @@ class AttentionKernel {
   /// converted once into `scratch` for all the rows that share them (the conversion asks).
   template <class Read>
   void with_rows(const TensorView<const T>& view, const AttentionItem& item, std::size_t first, std::size_t count,
-                 std::size_t end, const std::unique_ptr<Acc[]>& scratch, const Read& read) const noexcept {
+                 std::size_t end, const FetchDistance& distance, const std::unique_ptr<Acc[]>& scratch,
+                 const Read& read) const noexcept {
     const RowFetcher fetch(view.row(item.batch, item.kv_head, first), view.strides().tokens * sizeof(T),
-                           dim_ * sizeof(T), end);
+                           dim_ * sizeof(T), end, distance);
     if constexpr (std::is_same_v<Stored, T>) {
       read(view.row(item.batch, item.kv_head, first), view.strides().tokens, fetch);
     } else {
@@ -385,9 +386,11 @@ class AttentionKernel {
     // measured on an AVX-512 AMD EPYC, where not said otherwise.)
     const RowFetcher none;
     constexpr bool sixteen_bit = sizeof(T) < sizeof(Acc);
-    const bool one_row_asks = sixteen_bit && fetch_policy().one_row;
+    const FetchPolicy& policy = fetch_policy();
+    const bool one_row_asks = sixteen_bit && policy.one_row;
     const bool fetch_keys = w.readers.size() >= 2 || one_row_asks;
-    with_rows(segment.keys, item, first, count, fetch_keys ? count + ahead : 0, w.keys,
+    with_rows(segment.keys, item, first, count, fetch_keys ? count + ahead : 0,
+              w.readers.size() >= 2 ? policy.shared_keys : policy.rows, w.keys,
               [&](const Stored* keys, std::size_t stride, const RowFetcher& fetch) {
                 // Four rows at a time where 32 registers hold their queries, then two, then one:
                 // each K row read (and widened) serves them all.
@@ -422,9 +425,9 @@ class AttentionKernel {
     // interleaved pairs of runs; 2-core AMD EPYC).
     // A row shorter than one read is summed by scalars, which call no hook: weighed first.
     const bool weigh_in_pass = kWeighInPass && sixteen_bit && dim_ >= RowReader<Stored, Acc>::kSplit * kW;
-    const bool fetch_values = (sixteen_bit && (w.active.size() >= 2 || one_row_asks)) || fetch_policy().float_values ||
+    const bool fetch_values = (sixteen_bit && (w.active.size() >= 2 || one_row_asks)) || policy.float_values ||
                               rows_through_l1(w.active.size()) != 0;
-    with_rows(segment.values, item, first, count, fetch_values ? count + ahead : 0, w.values,
+    with_rows(segment.values, item, first, count, fetch_values ? count + ahead : 0, policy.rows, w.values,
               [&](const Stored* values, std::size_t stride, const RowFetcher& fetch) {
                 for_each_value_group(w.active.size(), [&](auto group, std::size_t i) {
                   constexpr std::size_t R = rows_of(group);

@@ -15,12 +15,18 @@
 
 namespace kvcache::detail {
 
+/// How far ahead of the row being read a pass asks for rows, and into which cache.
+struct FetchDistance {
+  std::size_t ahead_bytes = 8192;
+  bool into_l2 = false;  // prefetcht2 (Intel: into L2 only) instead of prefetcht0
+};
+
 /// How the passes that read from memory ask for rows ahead.
 struct FetchPolicy {
-  std::size_t ahead_bytes = 8192;  // how far ahead of the row being read
-  bool into_l2 = false;            // prefetcht2 (Intel: into L2 only) instead of prefetcht0
-  bool float_values = false;       // ask for float V rows too, not only 16-bit ones
-  bool one_row = false;            // ask for 16-bit rows that only one query row reads too
+  FetchDistance rows;           // every pass that asks, but the one below
+  bool float_values = false;    // ask for float V rows too, not only 16-bit ones
+  bool one_row = false;         // ask for 16-bit rows that only one query row reads too
+  FetchDistance shared_keys{};  // the pass over K rows that two or more query rows read
 };
 
 /// Whether CPUID names the vendor GenuineIntel (false off x86 or without GCC/Clang).
@@ -43,9 +49,16 @@ struct FetchPolicy {
 /// 16-bit rows that one query row reads, as when it was measured), read
 /// 0.04-0.13 closer to the plain read of the same bytes at every H_q, S >= 16,384, one and two
 /// cores (float H_q = 32, one core: 0.78-0.81 -> 0.84-0.90); 32 or 64 KiB, or L2 far and L1
-/// 2 KiB ahead, no better.
+/// 2 KiB ahead, no better. There the pass over K rows that two or more query rows read (four or
+/// eight rows at a time, in turn) took longer with them asked for 16 KiB ahead than with none (bf16 at
+/// H_q = 32, one core: 27 -> 20 ns a key from memory), though from the L3 asking paid; asked
+/// for 1 KiB ahead into L1, the hardware prefetcher brings them from memory and the request only
+/// from L2: 0.63-0.89 -> 0.72-0.98 of the plain read at H_q = 16 and 32, S >= 16,384, one and
+/// two cores (median +0.09, 29 of 32 cells higher; 2 KiB into L2 alike, 2 KiB into L1 -0.01,
+/// 4 KiB into L1 -0.03, none lower by 0.1-0.2 at two cores, S = 16,384, 16-bit).
 [[nodiscard]] inline const FetchPolicy& fetch_policy() noexcept {
-  static const FetchPolicy policy = cpu_is_intel() ? FetchPolicy{16384, true, true, true} : FetchPolicy{};
+  static const FetchPolicy policy =
+      cpu_is_intel() ? FetchPolicy{{16384, true}, true, true, {1024, false}} : FetchPolicy{};
   return policy;
 }
 
@@ -58,13 +71,15 @@ class RowFetcher {
  public:
   RowFetcher() noexcept = default;
   /// Rows of `row_bytes` from `rows`, `stride` bytes apart, of which the first `end` exist.
-  RowFetcher(const void* rows, std::size_t stride, std::size_t row_bytes, std::size_t end) noexcept
+  /// Asks `distance` ahead.
+  RowFetcher(const void* rows, std::size_t stride, std::size_t row_bytes, std::size_t end,
+             const FetchDistance& distance = fetch_policy().rows) noexcept
       : rows_(static_cast<const char*>(rows)),
         stride_(stride),
         row_bytes_(row_bytes),
-        ahead_(std::max<std::size_t>(fetch_policy().ahead_bytes / std::max<std::size_t>(row_bytes, 1), 1)),
+        ahead_(std::max<std::size_t>(distance.ahead_bytes / std::max<std::size_t>(row_bytes, 1), 1)),
         end_(end),
-        into_l2_(fetch_policy().into_l2) {}
+        into_l2_(distance.into_l2) {}
 
   /// Row j is being read.
   KVCACHE_ALWAYS_INLINE void operator()(std::size_t j) const noexcept {
