@@ -347,7 +347,8 @@ TYPED_TEST(AttentionTyped, QueriesInTheStorageType) {
 // q and out in a 16-bit storage type, over every case of the grid: the queries hold the same
 // values as the float ones of run_case, so the output is the float-query output rounded once to
 // T. bfloat16 queries over bfloat16 keys are scored by products of bfloat16 pairs where the CPU
-// has them (AVX-512 BF16, score_key_pairs), every other pair of types as float queries are.
+// has them (AVX-512 BF16, score_key_pairs) and they pay (detail::pair_products_pay), every other
+// pair of types as float queries are.
 // There four query rows a kv head also weigh V by pair products (accumulate_pairs_in_l1), with
 // each weight rounded to bfloat16 (relative error e <= 2^-8) and the sum taken of the rounded
 // weights: the output moves by sum_j w_j e_j (v_j - out) / sum_j w_j (1 + e_j), at most
@@ -895,6 +896,37 @@ TEST(AttentionMath, PairScoresAreExactDotProductsInTheirOwnLanes) {
   expect_pair_scores<2, 128>();
   expect_pair_scores<4, 128>();
   expect_pair_scores<4, 256>();
+}
+
+// The kernel with bfloat16 pair products and without: which one causal_attention takes is the
+// processor's (detail::pair_products_pay), so both are run here, over four bfloat16 query rows
+// per kv head at D = 128, a chunk of five queries over keys that span two tiles, one and three
+// threads. Each output is within the reference's accumulation tolerance plus half a bfloat16
+// ulp of rounding, and with pair products the rounded weights' term (see StoredQueries).
+TEST(PairProducts, AndKeysWidenedToFloatBothMatchTheReference) {
+  using T = Eigen::bfloat16;
+  const std::size_t kv_heads = 2, group = 4, keys = 2500, chunk = 5, dim = 128;
+  const Block<T> k({1, kv_heads, keys, dim}, 61);
+  const Block<T> v({1, kv_heads, keys, dim}, 62);
+  const Block<T> q({1, kv_heads * group, chunk, dim}, 63);
+  const std::vector<std::int64_t> key_positions = arange(0, keys);
+  const std::vector<std::int64_t> q_positions = arange(keys - chunk, chunk);
+  const Segment<T> segment{k.view(), v.view(), key_positions};
+  const History<T> history{std::span<const Segment<T>>(&segment, 1)};
+  const float scale = 1.0F / std::sqrt(static_cast<float>(dim));
+  const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), scale, {});
+  for (const bool pairs : {false, true}) {
+    for (const std::size_t threads : {std::size_t{1}, std::size_t{3}}) {
+      std::vector<T> out(q.data.size());
+      const TensorView<T> out_view(out.data(), q.shape);
+      const detail::AttentionKernel<T, T, float> kernel(q.view(), q_positions, history, out_view,
+                                                        detail::VisibilityRule(0, 0, 0, 0), scale, pairs);
+      detail::run_attention(kernel, 1, kv_heads, chunk, threads);
+      const double weights = pairs ? 2 * 0x1p-8 / (1 - 0x1p-8) : 0;
+      EXPECT_LE(max_error(TensorView<const T>(out_view), want), 0x1p-8 * (1 + weights) + weights + Tolerance<T>::value)
+          << "pair products " << pairs << ", threads " << threads;
+    }
+  }
 }
 
 // The weights the pair-product V pass applies: each rounded to the nearest bfloat16 (ties to

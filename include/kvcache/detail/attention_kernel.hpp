@@ -21,6 +21,7 @@
 
 #include "kvcache/detail/assert.hpp"
 #include "kvcache/detail/attention_math.hpp"
+#include "kvcache/detail/processor.hpp"
 #include "kvcache/detail/row_fetcher.hpp"
 #include "kvcache/detail/worker_pool.hpp"
 #include "kvcache/views.hpp"
@@ -114,8 +115,8 @@ class AttentionKernel {
   /// would otherwise spend a good part of its time zeroing them.
   struct Workspace {
     std::vector<Acc> queries, acc, max, sum;
-    std::vector<Q> given_queries;                      // the block's queries as given (kScoresPairs)
-    std::unique_ptr<std::uint16_t[]> rounded_weights;  // a tile's weights in bfloat16 (kWeighsPairs)
+    std::vector<Q> given_queries;                      // the block's queries as given (pairs_)
+    std::unique_ptr<std::uint16_t[]> rounded_weights;  // a tile's weights in bfloat16 (pairs_)
     std::unique_ptr<Acc[]> scores, keys, values;
     std::vector<VisibilityRule::Cover> covers;
     std::vector<std::size_t> readers;  // the rows whose query may see a key of the current tile
@@ -123,7 +124,7 @@ class AttentionKernel {
   };
 
   AttentionKernel(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
-                  TensorView<Q> out, const VisibilityRule& rule, Acc scale)
+                  TensorView<Q> out, const VisibilityRule& rule, Acc scale, bool pair_products = pair_products_pay())
       : q_(q),
         q_positions_(q_positions),
         segments_(history.segments),
@@ -136,7 +137,8 @@ class AttentionKernel {
         rows_(group_ * block_queries_),
         tile_(
             std::clamp<std::size_t>(kTileBytes / (std::max<std::size_t>(dim_, 1) * sizeof(Stored)), kW, kMaxTileKeys) /
-            kW * kW) {
+            kW * kW),
+        pairs_(kScoresPairs && pair_products) {
     offsets_.reserve(segments_.size() + 1);
     offsets_.push_back(0);
     for (const Segment<T>& s : segments_) offsets_.push_back(offsets_.back() + s.tokens());
@@ -159,8 +161,8 @@ class AttentionKernel {
     constexpr bool convert = !std::is_same_v<Stored, T>;  // rows that do not widen in registers
     Workspace w;
     w.queries.resize(rows_ * dim_);
-    if (kScoresPairs) w.given_queries.resize(rows_ * dim_);
-    if (kWeighsPairs) w.rounded_weights = std::unique_ptr<std::uint16_t[]>(new std::uint16_t[rows_ * tile_]);
+    if (pairs_) w.given_queries.resize(rows_ * dim_);
+    if (pairs_) w.rounded_weights = std::unique_ptr<std::uint16_t[]>(new std::uint16_t[rows_ * tile_]);
     w.acc.resize(rows_ * dim_);
     w.max.resize(rows_);
     w.sum.resize(rows_);
@@ -245,7 +247,8 @@ class AttentionKernel {
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
   // bfloat16 queries over bfloat16 keys: four query rows are scored by pair products
-  // (score_key_pairs), half the K pass's multiply-adds. bf16 at H_q = 32, S = 16,384 and 32,768:
+  // (score_key_pairs), half the K pass's multiply-adds, where the processor gains by them
+  // (pair_products_pay: pairs_). bf16 at H_q = 32, S = 16,384 and 32,768:
   // one core 0.71-0.88 -> 0.76-0.95 of the plain read, two 0.91-1.07 -> 0.97-1.18 (three runs
   // of bench/ab, every cell closer; one core median +0.07), 13.3-13.6 -> 11.0-11.1 ns a key in
   // cache. Two rows (H_q = 16) ran faster in cache (8.6 -> 7.5 ns a key) but 0.00-0.07 further
@@ -285,7 +288,7 @@ class AttentionKernel {
       // Scaled, so that scores come out scaled; in the order the K rows are read in.
       for (std::size_t d = 0; d < dim_; ++d) dst[d] = load_as<Acc>(src, d) * scale_;
       reorder_row<Stored, Acc, true>(dst, dim_);
-      if constexpr (kScoresPairs) std::copy_n(src, dim_, w.given_queries.data() + r * dim_);
+      if (pairs_) std::copy_n(src, dim_, w.given_queries.data() + r * dim_);
     }
   }
 
@@ -439,19 +442,21 @@ class AttentionKernel {
                   }
 #if KVCACHE_BF16_PAIRS
                   if constexpr (kWeighsPairs && sums_in_l1(group)) {
-                    Acc* acc[R];
-                    const std::uint16_t* rounded[R];
-                    for (std::size_t r = 0; r < R; ++r) {
-                      const std::size_t row = w.active[i + r];
-                      std::uint16_t* const weights = w.rounded_weights.get() + row * tile_;
-                      weigh(scores[r], count, max[r]);
-                      w.sum[row] += round_weights(scores[r], count, weights);
-                      rounded[r] = weights;
-                      acc[r] = w.acc.data() + row * dim_;
+                    if (pairs_) {
+                      Acc* acc[R];
+                      const std::uint16_t* rounded[R];
+                      for (std::size_t r = 0; r < R; ++r) {
+                        const std::size_t row = w.active[i + r];
+                        std::uint16_t* const weights = w.rounded_weights.get() + row * tile_;
+                        weigh(scores[r], count, max[r]);
+                        w.sum[row] += round_weights(scores[r], count, weights);
+                        rounded[r] = weights;
+                        acc[r] = w.acc.data() + row * dim_;
+                      }
+                      accumulate_pairs_in_l1<R, kThroughL1Dim, kHeldRows<R>>(acc, rounded, values, stride, count,
+                                                                             i == 0 ? fetch : none);
+                      return;
                     }
-                    accumulate_pairs_in_l1<R, kThroughL1Dim, kHeldRows<R>>(acc, rounded, values, stride, count,
-                                                                           i == 0 ? fetch : none);
-                    return;
                   }
 #endif
                   if constexpr (!sums_in_l1(group)) {
@@ -588,7 +593,7 @@ class AttentionKernel {
   /// one from cache (2-core AMD EPYC). Else that one row (float at four query rows per kv head,
   /// one core, S = 32,768: 0.38-0.46 -> 0.52-0.58 of the plain read, against four rows over a
   /// quarter of each row at a time). The rest read the tile from cache four rows at a time,
-  /// then two, then one; where kWeighsPairs, four rows at D = 128 by pair products too (causal
+  /// then two, then one; where pairs_, four rows at D = 128 by pair products too (causal
   /// prefill with bfloat16 queries, 16 query heads, one core: of the multiply-add peak 0.79-0.82
   /// -> 0.82-0.86 from position 0, 0.91-0.94 -> 0.96-0.99 after 2,048 tokens, two interleaved
   /// runs; AVX-512 AMD EPYC).
@@ -616,7 +621,7 @@ class AttentionKernel {
       i += 1;
     }
     for (; i + 4 <= n; i += 4) {
-      if (kWeighsPairs && dim_ == kThroughL1Dim) {
+      if (pairs_ && dim_ == kThroughL1Dim) {
         f(ThroughL1<4>{}, i);  // pair products from cache as well
       } else {
         f(Four{}, i);
@@ -685,13 +690,21 @@ class AttentionKernel {
   }
 
   /// score() for a head size known at compile time (Dim), or not (0): kW / R keys at a time, by
-  /// score_key_pairs from the queries as given for four rows where kScoresPairs, else by
-  /// score_keys.
+  /// score_key_pairs from the queries as given for four rows where pairs_, else by score_keys.
   template <std::size_t R, std::size_t Dim>
   void score_rows(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                   const RowFetcher& fetch) const noexcept {
+    if constexpr (kScoresPairs && R == 4 && Dim != 0 && Dim % (2 * kW) == 0) {
+      if (pairs_) return score_rows_by<R, Dim, true>(w, i, keys, stride, count, fetch);
+    }
+    score_rows_by<R, Dim, false>(w, i, keys, stride, count, fetch);
+  }
+
+  /// score_rows by score_key_pairs (`pairs`) or by score_keys.
+  template <std::size_t R, std::size_t Dim, bool pairs>
+  void score_rows_by(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
+                     const RowFetcher& fetch) const noexcept {
     constexpr std::size_t kKeys = kW / R;
-    constexpr bool pairs = kScoresPairs && R == 4 && Dim != 0 && Dim % (2 * kW) == 0;
     using Query = std::conditional_t<pairs, Q, Acc>;
     const Query* queries = nullptr;
     if constexpr (pairs) {
@@ -807,6 +820,7 @@ class AttentionKernel {
   std::size_t block_queries_;
   std::size_t rows_;
   std::size_t tile_;
+  bool pairs_;                        // kScoresPairs and kWeighsPairs, where pair_products_pay()
   std::vector<std::size_t> offsets_;  // segment s holds keys [offsets_[s], offsets_[s + 1])
   // Whether segment s's positions ascend (every cache's do; a hand-built history's need not),
   // where a call needs to know: found once a call, not once a tile of every block.

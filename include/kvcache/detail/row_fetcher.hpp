@@ -7,11 +7,8 @@
 #include <algorithm>
 #include <cstddef>
 
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-#include <cpuid.h>
-#endif
-
 #include "kvcache/detail/attention_math.hpp"  // KVCACHE_ALWAYS_INLINE
+#include "kvcache/detail/processor.hpp"
 
 namespace kvcache::detail {
 
@@ -28,17 +25,6 @@ struct FetchPolicy {
   bool one_row = false;         // ask for 16-bit rows that only one query row reads too
   FetchDistance shared_keys{};  // the pass over K rows that two or more query rows read
 };
-
-/// Whether CPUID names the vendor GenuineIntel (false off x86 or without GCC/Clang).
-[[nodiscard]] inline bool cpu_is_intel() noexcept {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
-  return ebx == 0x756e6547 && edx == 0x49656e69 && ecx == 0x6c65746e;  // "GenuineIntel"
-#else
-  return false;
-#endif
-}
 
 /// The policy for this processor, found once. Default (tuned on an AVX-512 AMD EPYC): 8 KiB
 /// ahead into L1 (6-8 KiB did best, 1-2 KiB too little; into L2 or twice as far 0.01-0.09
