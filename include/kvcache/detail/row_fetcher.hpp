@@ -40,8 +40,9 @@ struct FetchPolicy {
 /// H_q = 32, one core: 27 -> 20 ns a key from memory), though from the L3 asking paid; asked
 /// for 1 KiB ahead into L1, the hardware prefetcher brings them from memory and the request only
 /// from L2: 0.63-0.89 -> 0.72-0.98 of the plain read at H_q = 16 and 32, S >= 16,384, one and
-/// two cores (median +0.09, 29 of 32 cells higher; 2 KiB into L2 alike, 2 KiB into L1 -0.01,
-/// 4 KiB into L1 -0.03, none lower by 0.1-0.2 at two cores, S = 16,384, 16-bit).
+/// two cores (median +0.09, 29 of 32 cells higher; against 1 KiB, 2 KiB into L2 -0.01, 2 KiB
+/// into L1 -0.02, 4 KiB into L1 -0.05; none at all as good from memory, but 0.1-0.2 lower at two
+/// cores, S = 16,384, 16-bit, where part of the history was in the L3).
 [[nodiscard]] inline const FetchPolicy& fetch_policy() noexcept {
   static const FetchPolicy policy =
       cpu_is_intel() ? FetchPolicy{{16384, true}, true, true, {1024, false}} : FetchPolicy{};
