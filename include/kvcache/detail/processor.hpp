@@ -13,7 +13,10 @@ namespace kvcache::detail {
 /// Whether CPUID names the vendor GenuineIntel (false off x86 or without GCC/Clang).
 [[nodiscard]] inline bool cpu_is_intel() noexcept {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  unsigned eax = 0;
+  unsigned ebx = 0;
+  unsigned ecx = 0;
+  unsigned edx = 0;
   if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
   return ebx == 0x756e6547 && edx == 0x49656e69 && ecx == 0x6c65746e;  // "GenuineIntel"
 #else
