@@ -1059,12 +1059,17 @@ TEST(AttentionThreads, AutomaticCountFollowsTheWork) {
   // A requested count is taken as it is, whatever the work.
   EXPECT_EQ(detail::attention_threads(3, 0), 3U);
   EXPECT_EQ(detail::attention_threads(1, 1024 * kMiB), 1U);
-  // Automatic: one thread per MiB of K and V, at least one, at most the hardware's.
-  EXPECT_EQ(detail::attention_threads(0, 0), 1U);
-  EXPECT_EQ(detail::attention_threads(0, 2 * kMiB - 1), 1U);
-  EXPECT_EQ(detail::attention_threads(0, 2 * kMiB), std::min<std::size_t>(2, hardware));
-  EXPECT_EQ(detail::attention_threads(0, 3 * kMiB - 1), std::min<std::size_t>(2, hardware));
-  EXPECT_EQ(detail::attention_threads(0, kMiB * 1000), std::min<std::size_t>(1000, hardware));
+  // Automatic: one thread per `per_thread` bytes of K and V, at least one, at most the hardware's.
+  for (const std::size_t per_thread : {kMiB, kMiB / 2}) {
+    EXPECT_EQ(detail::attention_threads(0, 0, per_thread), 1U);
+    EXPECT_EQ(detail::attention_threads(0, 2 * per_thread - 1, per_thread), 1U);
+    EXPECT_EQ(detail::attention_threads(0, 2 * per_thread, per_thread), std::min<std::size_t>(2, hardware));
+    EXPECT_EQ(detail::attention_threads(0, 3 * per_thread - 1, per_thread), std::min<std::size_t>(2, hardware));
+    EXPECT_EQ(detail::attention_threads(0, per_thread * 1000, per_thread), std::min<std::size_t>(1000, hardware));
+  }
+  // By default this processor's measured amount: half a MiB on Intel, a MiB elsewhere.
+  EXPECT_EQ(detail::bytes_per_thread(), detail::cpu_is_intel() ? kMiB / 2 : kMiB);
+  EXPECT_EQ(detail::attention_threads(0, 2 * detail::bytes_per_thread()), std::min<std::size_t>(2, hardware));
 }
 
 // ---------------------------------------------------------------------------------------------

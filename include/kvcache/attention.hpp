@@ -33,7 +33,7 @@ struct AttentionOptions {
   float scale = 0.0f;       // 0 = 1/sqrt(D)
   std::size_t window = 0;   // 0 = none; key k visible to query p iff p - window < k <= p (or 0 <= k < sinks)
   std::size_t sinks = 0;    // positions 0 .. sinks - 1 stay visible through the window
-  std::size_t threads = 0;  // 0 = automatic (a thread per MiB of K and V read); 1 = the caller's only
+  std::size_t threads = 0;  // 0 = automatic (a thread per MiB of K and V read, half MiB on Intel); 1 = caller's only
 };
 
 namespace detail {

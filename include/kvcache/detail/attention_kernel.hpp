@@ -827,17 +827,13 @@ class AttentionKernel {
   std::vector<char> ascending_;
 };
 
-/// Threads for `work_bytes` of K and V reads: `requested`, or for 0 one per kBytesPerThread of
-/// work, at least one and at most the hardware's. Waking a kept thread (WorkerPool) and waiting
-/// for it costs about what one core takes to read 1-2 MiB: decoding layer after layer from
-/// memory (bench/threads_bench) on a 2-vCPU AMD EPYC, seven runs, two threads took 1.09-1.54
-/// times as long as one at 0.5 MiB per call, 0.96-1.24 at 1 MiB, 0.79-1.11 at 2 MiB (five runs
-/// under 0.91), 0.60-0.95 at 4 MiB and 0.43-0.82 at 8-32 MiB. (Threads started for each call
-/// had cost a few MiB: 2.1-3.0 times as long at 0.5-1 MiB, 0.78-0.94 at 16-32 MiB.)
-inline std::size_t attention_threads(std::size_t requested, std::size_t work_bytes) noexcept {
-  constexpr std::size_t kBytesPerThread = std::size_t{1} << 20;
+/// Threads for `work_bytes` of K and V reads: `requested`, or for 0 one per `per_thread` bytes
+/// of work (bytes_per_thread(): what waking a kept thread pays for on this processor), at least
+/// one and at most the hardware's.
+inline std::size_t attention_threads(std::size_t requested, std::size_t work_bytes,
+                                     std::size_t per_thread = bytes_per_thread()) noexcept {
   if (requested != 0) return requested;
-  const std::size_t wanted = work_bytes / kBytesPerThread;
+  const std::size_t wanted = work_bytes / std::max<std::size_t>(per_thread, 1);
   if (wanted <= 1) return 1;
   // Asked once: glibc reads /sys for it on every call (5-6 us a decode call here).
   static const std::size_t hardware = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);

@@ -4,6 +4,8 @@
 // What the attention kernel asks of the processor it runs on, found once a process: the
 // instruction set is the compiler's (-m flags); which of its paths are faster is not.
 
+#include <cstddef>
+
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
 #include <cpuid.h>
 #endif
@@ -35,6 +37,20 @@ namespace kvcache::detail {
 [[nodiscard]] inline bool pair_products_pay() noexcept {
   static const bool pay = !cpu_is_intel();
   return pay;
+}
+
+/// K and V bytes a call reads per thread it runs on when its thread count is automatic: waking a
+/// kept thread (WorkerPool) and waiting for it costs about what one core takes to read this
+/// much. Decoding layer after layer from memory (bench/threads_bench), two threads took, against
+/// one: on a 2-vCPU AMD EPYC (seven runs) 1.09-1.54 times as long at 0.5 MiB per call, 0.96-1.24
+/// at 1 MiB, 0.79-1.11 at 2 MiB (five runs under 0.91), 0.60-0.95 at 4 MiB and 0.43-0.82 at 8-32
+/// MiB (threads started for each call had cost a few MiB: 2.1-3.0 times as long at 0.5-1 MiB);
+/// on the Intel Xeon above (six runs) 1.09-1.21 at 0.5 MiB and 0.55-0.94 at 1 MiB. So two
+/// threads from 2 MiB on the EPYC (a thread per MiB) and from 1 MiB on Intel, where the automatic
+/// count then ran at 0.99-1.04 of the faster of one and two threads at 0.5 and 1 MiB (three runs).
+[[nodiscard]] inline std::size_t bytes_per_thread() noexcept {
+  static const std::size_t bytes = cpu_is_intel() ? std::size_t{1} << 19 : std::size_t{1} << 20;
+  return bytes;
 }
 
 }  // namespace kvcache::detail
