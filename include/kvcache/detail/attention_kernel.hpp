@@ -308,8 +308,9 @@ class AttentionKernel {
 
   /// Calls read(rows, stride, fetch) with the rows of `view` for (batch, kv_head), keys [first,
   /// first + count), of which `end` exist from `first` on: in place when they widen in
-  /// registers (the pass that reads them from memory asks for rows ahead through `fetch`), else
-  /// converted once into `scratch` for all the rows that share them (the conversion asks).
+  /// registers (the pass that reads them from memory asks for rows `distance` ahead through
+  /// `fetch`), else converted once into `scratch` for all the rows that share them (the
+  /// conversion asks).
   template <class Read>
   void with_rows(const TensorView<const T>& view, const AttentionItem& item, std::size_t first, std::size_t count,
                  std::size_t end, const FetchDistance& distance, const std::unique_ptr<Acc[]>& scratch,

@@ -36,10 +36,10 @@ struct FetchPolicy {
 /// 0.04-0.13 closer to the plain read of the same bytes at every H_q, S >= 16,384, one and two
 /// cores (float H_q = 32, one core: 0.78-0.81 -> 0.84-0.90); 32 or 64 KiB, or L2 far and L1
 /// 2 KiB ahead, no better. There the pass over K rows that two or more query rows read (four or
-/// eight rows at a time, in turn) took longer with them asked for 16 KiB ahead than with none (bf16 at
-/// H_q = 32, one core: 27 -> 20 ns a key from memory), though from the L3 asking paid; asked
-/// for 1 KiB ahead into L1, the hardware prefetcher brings them from memory and the request only
-/// from L2: 0.63-0.89 -> 0.72-0.98 of the plain read at H_q = 16 and 32, S >= 16,384, one and
+/// eight keys at a time, in turn) took longer with them asked for 16 KiB ahead than with none
+/// (bf16 at H_q = 32, one core: 27 -> 20 ns a key from memory), though from the L3 asking paid;
+/// asked for 1 KiB ahead into L1, the hardware prefetcher brings them from memory and the
+/// request only from L2: 0.63-0.89 -> 0.72-0.98 of the plain read at H_q = 16 and 32, S >= 16,384, one and
 /// two cores (median +0.09, 29 of 32 cells higher; against 1 KiB, 2 KiB into L2 -0.01, 2 KiB
 /// into L1 -0.02, 4 KiB into L1 -0.05; none at all as good from memory, but 0.1-0.2 lower at two
 /// cores, S = 16,384, 16-bit, where part of the history was in the L3).
