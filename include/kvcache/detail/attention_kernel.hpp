@@ -124,7 +124,8 @@ class AttentionKernel {
   };
 
   AttentionKernel(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
-                  TensorView<Q> out, const VisibilityRule& rule, Acc scale, bool pair_products = pair_products_pay())
+                  TensorView<Q> out, const VisibilityRule& rule, Acc scale, bool pair_products = pair_products_pay(),
+                  bool plain_one_row = plain_one_row_passes())
       : q_(q),
         q_positions_(q_positions),
         segments_(history.segments),
@@ -138,7 +139,8 @@ class AttentionKernel {
         tile_(
             std::clamp<std::size_t>(kTileBytes / (std::max<std::size_t>(dim_, 1) * sizeof(Stored)), kW, kMaxTileKeys) /
             kW * kW),
-        pairs_(kScoresPairs && pair_products) {
+        pairs_(kScoresPairs && pair_products),
+        plain_one_row_(plain_one_row) {
     offsets_.reserve(segments_.size() + 1);
     offsets_.push_back(0);
     for (const Segment<T>& s : segments_) offsets_.push_back(offsets_.back() + s.tokens());
@@ -380,7 +382,8 @@ class AttentionKernel {
     // and asking cost: float 10%; bf16 and half, asking neither for K nor for V rows at one
     // query row per kv head, one core, S = 16,384 and 32,768: 0.74-0.81 -> 0.83-0.87 of the
     // plain read, two cores 0.71-0.82 -> 0.77-0.82 (15 interleaved calls each; the fetch policy
-    // keeps asking on Intel, where it was measured so). The first pass over V reads whole rows
+    // keeps asking on Intel, where it was measured so, unless the one-row passes are plain
+    // streams there: plain_one_row_passes). The first pass over V reads whole rows
     // in order and asks for 16-bit rows (bf16 gained 5-10% at two and four query rows; float
     // lost 5-10%, and up to 30% before the tiles grew to 128 KiB), and for float rows where the
     // fetch policy says (Intel Xeon) or where that pass keeps its rows' sums in L1 (float V
@@ -391,7 +394,7 @@ class AttentionKernel {
     const RowFetcher none;
     constexpr bool sixteen_bit = sizeof(T) < sizeof(Acc);
     const FetchPolicy& policy = fetch_policy();
-    const bool one_row_asks = sixteen_bit && policy.one_row;
+    const bool one_row_asks = sixteen_bit && policy.one_row && !plain_one_row_;
     const bool fetch_keys = w.readers.size() >= 2 || one_row_asks;
     with_rows(segment.keys, item, first, count, fetch_keys ? count + ahead : 0,
               w.readers.size() >= 2 ? policy.shared_keys : policy.rows, w.keys,
@@ -428,9 +431,11 @@ class AttentionKernel {
     // rows at two query rows per kv head through L1, one core: 0.67-0.74 -> 0.77-0.80, two
     // interleaved pairs of runs; 2-core AMD EPYC).
     // A row shorter than one read is summed by scalars, which call no hook: weighed first.
-    const bool weigh_in_pass = kWeighInPass && sixteen_bit && dim_ >= RowReader<Stored, Acc>::kSplit * kW;
-    const bool fetch_values = (sixteen_bit && (w.active.size() >= 2 || one_row_asks)) || policy.float_values ||
-                              rows_through_l1(w.active.size()) != 0;
+    const bool plain_pass = plain_one_row_ && w.active.size() == 1;
+    const bool weigh_in_pass =
+        kWeighInPass && sixteen_bit && dim_ >= RowReader<Stored, Acc>::kSplit * kW && !plain_pass;
+    const bool fetch_values = (sixteen_bit && (w.active.size() >= 2 || one_row_asks)) ||
+                              (policy.float_values && !plain_pass) || rows_through_l1(w.active.size()) != 0;
     with_rows(segment.values, item, first, count, fetch_values ? count + ahead : 0, policy.rows, w.values,
               [&](const Stored* values, std::size_t stride, const RowFetcher& fetch) {
                 for_each_value_group(w.active.size(), [&](auto group, std::size_t i) {
@@ -682,6 +687,11 @@ class AttentionKernel {
         q[r] = w.queries.data() + w.readers[i + r] * dim_;
         out[r] = w.scores.get() + w.readers[i + r] * tile_;
       }
+      if constexpr (R == 1 && std::is_same_v<Stored, Eigen::bfloat16>) {
+        if (plain_one_row_ && w.readers.size() == 1) {
+          return score_in_order<R, Dim, true>(q, keys, stride, count, out, fetch);
+        }
+      }
       score_in_order<R, Dim>(q, keys, stride, count, out, fetch);
     } else if constexpr (kW / R <= kMaxFixedKeys && Dim % kRead == 0 && Dim / kRead <= 16) {
       score_rows<R, Dim>(w, i, keys, stride, count, fetch);
@@ -759,6 +769,12 @@ class AttentionKernel {
     Acc* acc[R];
     const Acc* weights[R];
     sums_and_weights(w, i, acc, weights);
+    if constexpr (R == 1 && std::is_same_v<Stored, Eigen::bfloat16>) {
+      if (plain_one_row_ && w.active.size() == 1) {
+        return accumulate_rows<R, kBlockRegisters<R, Stored, Acc>, true>(acc, weights, values, stride, count, dim_,
+                                                                         fetch);
+      }
+    }
     accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_, fetch);
   }
 
@@ -822,6 +838,7 @@ class AttentionKernel {
   std::size_t rows_;
   std::size_t tile_;
   bool pairs_;                        // kScoresPairs and kWeighsPairs, where pair_products_pay()
+  bool plain_one_row_;                // one query row's passes as plain streams (plain_one_row_passes)
   std::vector<std::size_t> offsets_;  // segment s holds keys [offsets_[s], offsets_[s + 1])
   // Whether segment s's positions ascend (every cache's do; a hand-built history's need not),
   // where a call needs to know: found once a call, not once a tile of every block.

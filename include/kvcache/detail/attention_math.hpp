@@ -228,6 +228,13 @@ struct RowReader<Eigen::bfloat16, float> {
     out[0] = std::bit_cast<Vector<float>>(pairs << 16);                                      // even values
     out[1] = std::bit_cast<Vector<float>>(pairs & static_cast<std::uint32_t>(0xFFFF0000U));  // odd values
   }
+  /// The same values, each of the two operations taking the line from memory itself (where GCC
+  /// folds the load into both): the form a plain one-row pass reads in (plain_one_row_passes).
+  static void load_per_use(const Eigen::bfloat16* p, Vector<float> (&out)[kSplit]) noexcept {
+    const auto pairs = load_vector<Vector<std::uint32_t>>(p);
+    out[0] = std::bit_cast<Vector<float>>(pairs << 16);
+    out[1] = std::bit_cast<Vector<float>>(pairs & static_cast<std::uint32_t>(0xFFFF0000U));
+  }
 };
 
 #if KVCACHE_VECTOR_EXTENSIONS
@@ -267,6 +274,16 @@ struct RowReader<Eigen::half, float> {
   }
 };
 #endif
+
+/// RowReader<T, Acc>::load, or for bfloat16 rows where PerUse, load_per_use.
+template <bool PerUse, class T, class Acc>
+KVCACHE_ALWAYS_INLINE inline void read_row(const T* p, Vector<Acc> (&out)[RowReader<T, Acc>::kSplit]) noexcept {
+  if constexpr (PerUse && std::is_same_v<T, Eigen::bfloat16>) {
+    RowReader<T, Acc>::load_per_use(p, out);
+  } else {
+    RowReader<T, Acc>::load(p, out);
+  }
+}
 
 /// Where value d of a row of `dim` lives in the register order of RowReader<T, Acc>: whole
 /// groups of kSplit * W values are split into even and odd halves; the tail stays in order.
@@ -596,7 +613,7 @@ inline constexpr bool kFetchLines = kVectorBytes == 32;
 /// stay a vector per query row, lanes not yet summed, until W keys are done and transpose_sum
 /// adds them up. fetch(j) is called as row j is read, or where kFetchLines, fetch.line(j, offset)
 /// as each of its 64-byte lines is.
-template <std::size_t R, std::size_t Dim, class T, class Acc, class Fetch>
+template <std::size_t R, std::size_t Dim, bool PerUse = false, class T, class Acc, class Fetch>
 inline void score_in_order(const Acc* const (&q)[R], const T* rows, std::size_t stride, std::size_t count,
                            Acc* const (&out)[R], const Fetch& fetch) noexcept {
   using V = Vector<Acc>;
@@ -616,7 +633,7 @@ inline void score_in_order(const Acc* const (&q)[R], const T* rows, std::size_t 
       for_each_step<Dim, S * W>(Dim, [&](auto d) KVCACHE_ALWAYS_INLINE {
         if constexpr (kFetchLines && d * sizeof(T) % 64 == 0) fetch.line(first + k, d * sizeof(T));
         V x[S];
-        Reader::load(row + d, x);
+        read_row<PerUse, T, Acc>(row + d, x);
         unroll<S>([&](auto s) KVCACHE_ALWAYS_INLINE {
           const V v = in_register(x[s]);
           unroll<R>([&](auto r) { chains[r][(d / W + s) % 2] += query[r][d / W + s] * v; });
@@ -643,7 +660,7 @@ inline void score_in_order(const Acc* const (&q)[R], const T* rows, std::size_t 
 /// acc[r][d, d + C W) += sum_j w[r][j] * rows[j][d, d + C W) for R query rows: each stored row
 /// is read and widened once for all R, into R x C accumulators held in registers. fetch(j) is
 /// called as row j is read by the block at d = 0, the one that takes the rows from memory.
-template <std::size_t R, std::size_t C, class T, class Acc, class Fetch>
+template <std::size_t R, std::size_t C, bool PerUse = false, class T, class Acc, class Fetch>
 inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows, std::size_t stride,
                              std::size_t count, std::size_t d, const Fetch& fetch) noexcept {
   using V = Vector<Acc>;
@@ -660,7 +677,7 @@ inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], con
     unroll<R>([&](auto r) { p[r] = splat(w[r][j]); });
     unroll<C / S>([&](auto c) {
       V x[S];
-      Reader::load(row + c * S * W, x);
+      read_row<PerUse, T, Acc>(row + c * S * W, x);
       unroll<S>([&](auto s) {
         const V v = in_register(x[s]);
         unroll<R>([&](auto r) { a[r][c * S + s] += p[r] * v; });
@@ -758,14 +775,14 @@ inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (
 /// acc[r][d, dim) += sum_j w[r][j] * rows[j][d, dim) for R query rows (accumulators in lane_of
 /// order): blocks of C registers per row while they fit, then half as many, down to one read,
 /// then scalars for the tail. fetch(j) is called as in accumulate_block.
-template <std::size_t R, std::size_t C, class T, class Acc, class Fetch>
+template <std::size_t R, std::size_t C, bool PerUse = false, class T, class Acc, class Fetch>
 inline void accumulate_rows(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows, std::size_t stride,
                             std::size_t count, std::size_t dim, const Fetch& fetch, std::size_t d = 0) noexcept {
   constexpr std::size_t W = kVector<Acc>;
   constexpr std::size_t S = RowReader<T, Acc>::kSplit;
-  for (; d + C * W <= dim; d += C * W) accumulate_block<R, C>(acc, w, rows, stride, count, d, fetch);
+  for (; d + C * W <= dim; d += C * W) accumulate_block<R, C, PerUse>(acc, w, rows, stride, count, d, fetch);
   if constexpr (C > S) {
-    accumulate_rows<R, C / 2>(acc, w, rows, stride, count, dim, fetch, d);
+    accumulate_rows<R, C / 2, PerUse>(acc, w, rows, stride, count, dim, fetch, d);
   } else {
     for (std::size_t r = 0; r < R; ++r) {
       for (std::size_t i = d; i < dim; ++i) {
