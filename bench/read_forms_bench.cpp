@@ -1,0 +1,175 @@
+// SPDX-License-Identifier: Apache-2.0
+// How fast one core reads memory depends on the form of the loads that read it, not only on the
+// bytes: the question behind decode attention on one core of an Intel Xeon, whose passes read
+// 0.74-0.83 of the plain read there (bench/RESULTS.md, "One core on the Intel Xeon").
+//
+// Each ReadForms row reads a region far larger than the caches in order, 128 bytes an iteration,
+// with loads of one form, added into independent sums (x86-64 assembly, so that the compiler does
+// not choose the form):
+//   ymm_indexed     four 32-byte loads a step, addressed base + index + offset
+//   ymm_base        the same loads addressed base + offset, the base moved each step
+//   zmm_indexed     two 64-byte loads a step, base + index + offset (AVX-512)
+//   widen16_indexed four loads of 16 16-bit values widened to 32-bit lanes (vpmovzxwd),
+//                   base + index + offset (AVX-512)
+// Every iteration times, in turn, the plain read the attention benchmarks compare against
+// (bench_support.hpp's read_all over one buffer) and the row's form, each right after reading as
+// much other memory twice over, so neither finds its bytes in the L3. `vs_plain_read` is the
+// median rate of the form over the median rate of the plain read in the same run.
+//
+//   ./read_forms_bench
+//   KVCACHE_BENCH_SMOKE=1 ./read_forms_bench --benchmark_min_time=0.001   # a 1 MiB region only
+
+#include <benchmark/benchmark.h>
+
+#include "bench_support.hpp"
+
+#include <cstddef>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "kvcache/detail/aligned_buffer.hpp"
+
+namespace {
+
+using kvcache::bench::median;
+using kvcache::bench::read_all;
+using kvcache::bench::time_call;
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__AVX2__)
+#define KVCACHE_READ_FORMS 1
+
+/// Reads [data, data + bytes) (a whole number of 128-byte steps) with the loads of one form.
+using ReadForm = void (*)(const char* data, std::size_t bytes);
+
+void ymm_indexed(const char* data, std::size_t bytes) {
+  std::size_t i = 0;
+  asm volatile(
+      "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
+      "vmovaps %%ymm0, %%ymm1\n\tvmovaps %%ymm0, %%ymm2\n\tvmovaps %%ymm0, %%ymm3\n"
+      "1:\n\t"
+      "vaddps (%0,%1), %%ymm0, %%ymm0\n\t"
+      "vaddps 0x20(%0,%1), %%ymm1, %%ymm1\n\t"
+      "vaddps 0x40(%0,%1), %%ymm2, %%ymm2\n\t"
+      "vaddps 0x60(%0,%1), %%ymm3, %%ymm3\n\t"
+      "sub $-128, %1\n\t"
+      "cmp %1, %2\n\t"
+      "jne 1b\n\t"
+      "vzeroupper"
+      : "+r"(data), "+r"(i)
+      : "r"(bytes)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "memory", "cc");
+}
+
+void ymm_base(const char* data, std::size_t bytes) {
+  const char* end = data + bytes;
+  asm volatile(
+      "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
+      "vmovaps %%ymm0, %%ymm1\n\tvmovaps %%ymm0, %%ymm2\n\tvmovaps %%ymm0, %%ymm3\n"
+      "1:\n\t"
+      "vaddps (%0), %%ymm0, %%ymm0\n\t"
+      "vaddps 0x20(%0), %%ymm1, %%ymm1\n\t"
+      "vaddps 0x40(%0), %%ymm2, %%ymm2\n\t"
+      "vaddps 0x60(%0), %%ymm3, %%ymm3\n\t"
+      "sub $-128, %0\n\t"
+      "cmp %0, %1\n\t"
+      "jne 1b\n\t"
+      "vzeroupper"
+      : "+r"(data)
+      : "r"(end)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "memory", "cc");
+}
+
+#if defined(__AVX512F__)
+void zmm_indexed(const char* data, std::size_t bytes) {
+  std::size_t i = 0;
+  asm volatile(
+      "vxorps %%xmm0, %%xmm0, %%xmm0\n\t"
+      "vmovaps %%zmm0, %%zmm1\n"
+      "1:\n\t"
+      "vaddps (%0,%1), %%zmm0, %%zmm0\n\t"
+      "vaddps 0x40(%0,%1), %%zmm1, %%zmm1\n\t"
+      "sub $-128, %1\n\t"
+      "cmp %1, %2\n\t"
+      "jne 1b\n\t"
+      "vzeroupper"
+      : "+r"(data), "+r"(i)
+      : "r"(bytes)
+      : "xmm0", "xmm1", "memory", "cc");
+}
+
+void widen16_indexed(const char* data, std::size_t bytes) {
+  std::size_t i = 0;
+  asm volatile(
+      "vxorps %%xmm0, %%xmm0, %%xmm0\n\t"
+      "vmovaps %%zmm0, %%zmm1\n\tvmovaps %%zmm0, %%zmm2\n\tvmovaps %%zmm0, %%zmm3\n"
+      "1:\n\t"
+      "vpmovzxwd (%0,%1), %%zmm4\n\tvpaddd %%zmm4, %%zmm0, %%zmm0\n\t"
+      "vpmovzxwd 0x20(%0,%1), %%zmm5\n\tvpaddd %%zmm5, %%zmm1, %%zmm1\n\t"
+      "vpmovzxwd 0x40(%0,%1), %%zmm4\n\tvpaddd %%zmm4, %%zmm2, %%zmm2\n\t"
+      "vpmovzxwd 0x60(%0,%1), %%zmm5\n\tvpaddd %%zmm5, %%zmm3, %%zmm3\n\t"
+      "sub $-128, %1\n\t"
+      "cmp %1, %2\n\t"
+      "jne 1b\n\t"
+      "vzeroupper"
+      : "+r"(data), "+r"(i)
+      : "r"(bytes)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "memory", "cc");
+}
+#endif
+
+/// A region of `bytes` allocated as a cache's storage is (huge pages where Linux gives them).
+kvcache::detail::AlignedBuffer<float> region(std::size_t bytes) {
+  kvcache::detail::AlignedBuffer<float> buffer(bytes / sizeof(float));
+  std::memset(static_cast<void*>(buffer.data()), 0, bytes);
+  return buffer;
+}
+
+/// Args: region MiB (0: 1 MiB, for the smoke run).
+void BM_ReadForms(benchmark::State& state, ReadForm form) {
+  const std::size_t bytes = state.range(0) == 0 ? std::size_t{1} << 20 : static_cast<std::size_t>(state.range(0)) << 20;
+  const auto data = region(bytes);
+  const auto other = region(2 * bytes);
+  const std::vector<std::pair<const float*, std::size_t>> plain{{data.data(), bytes / sizeof(float)}};
+  const std::vector<std::pair<const float*, std::size_t>> elsewhere{{other.data(), 2 * bytes / sizeof(float)}};
+  std::vector<double> plain_seconds;
+  std::vector<double> form_seconds;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(read_all(elsewhere, 1));
+    plain_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(plain, 1)); }));
+    benchmark::DoNotOptimize(read_all(elsewhere, 1));
+    const double seconds = time_call([&] { form(reinterpret_cast<const char*>(data.data()), bytes); });
+    form_seconds.push_back(seconds);
+    state.SetIterationTime(seconds);
+  }
+  const double plain_read = median(plain_seconds);
+  const double read = median(form_seconds);
+  const auto b = static_cast<double>(bytes);
+  state.counters["bytes_per_second"] = read > 0 ? b / read : 0.0;
+  state.counters["plain_read_bytes_per_second"] = plain_read > 0 ? b / plain_read : 0.0;
+  state.counters["vs_plain_read"] = read > 0 ? plain_read / read : 0.0;
+}
+#endif
+
+void register_all() {
+#if KVCACHE_READ_FORMS
+  const long mib = kvcache::bench::smoke_mode() ? 0 : 128;
+  const auto add = [&](const char* name, ReadForm form) {
+    benchmark::RegisterBenchmark(name, BM_ReadForms, form)
+        ->Arg(mib)
+        ->ArgName("MiB")
+        ->UseManualTime()
+        ->Iterations(kvcache::bench::smoke_mode() ? 2 : 15);
+  };
+  add("ReadForms/ymm_indexed", ymm_indexed);
+  add("ReadForms/ymm_base", ymm_base);
+#if defined(__AVX512F__)
+  add("ReadForms/zmm_indexed", zmm_indexed);
+  add("ReadForms/widen16_indexed", widen16_indexed);
+#endif
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return kvcache::bench::run_benchmarks(argc, argv, register_all); }
