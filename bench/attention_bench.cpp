@@ -10,8 +10,12 @@
 // `read_bytes_per_second`, `buffer_bytes_per_second` and `median_bytes_per_second` the medians
 // as rates. Timed in turn, other work on a shared machine falls on every side alike, and a
 // median ignores the odd disturbed call (a ratio of separately timed bests swung from 0.4 to
-// 1.5). Each read and the attention call come right after a read of as much other memory, so
-// none finds its bytes in the L3 and all meet the memory in the same state. The order matters on
+// 1.5). Each read and the attention call come right after a read of as much other memory (the
+// twin, or the cache) and of as much as the L3 besides (`elsewhere`), so that none finds its bytes in
+// the L3 and all meet the memory in the same state. As much other memory alone was not enough
+// where the L3 is larger than a history (an Intel Xeon reporting 480 MiB shared with other
+// tenants): a 16-bit history of 64 MiB then read 0.75-1.17 of the plain read from run to run, and
+// asking for rows ahead paid for the part still in the L3 (bench/RESULTS.md). The order matters on
 // one AMD EPYC core: with the read of the same bytes right after the attention call (which had
 // just read them) and the twin's next, the same bytes read 49-54 GB/s and the twin 35-38 (bf16,
 // 64 MiB); in this order both read 43-48. Each ReadBandwidth row sums a separate buffer of the
@@ -51,6 +55,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>
+
 #include "kvcache/kvcache.hpp"
 
 namespace {
@@ -65,6 +71,22 @@ using kvcache::bench::time_call;
 
 /// Set when an attention output disagreed with the reference: the program then fails.
 bool wrong_output = false;
+
+/// Memory read (untimed) before every timed read or call: as much as the L3 that sysconf reports,
+/// at least 64 MiB, so that what is timed finds none of its bytes there (1 MiB for the smoke run).
+const std::vector<std::pair<const float*, std::size_t>>& elsewhere() {
+  static const kvcache::detail::AlignedBuffer<float> buffer = [] {
+    const long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
+    const std::size_t bytes =
+        smoke_mode() ? std::size_t{1} << 20
+                     : std::max<std::size_t>(std::size_t{64} << 20, l3 > 0 ? static_cast<std::size_t>(l3) : 0);
+    kvcache::detail::AlignedBuffer<float> b(bytes / sizeof(float));
+    std::fill_n(b.data(), b.size(), 1.0F);
+    return b;
+  }();
+  static const std::vector<std::pair<const float*, std::size_t>> buffers{{buffer.data(), buffer.size()}};
+  return buffers;
+}
 
 /// K and V for one layer at `tokens` positions, written into a KvCache a chunk at a time.
 template <class T>
@@ -211,9 +233,14 @@ void BM_DecodeAttention(benchmark::State& state) {
     const auto [peak_call, done] = multiply_add_peak(std::size_t{1} << 14);
     peak_seconds.push_back(peak_call);
     peak_flops = done;
+    const auto flush = [&] { benchmark::DoNotOptimize(read_all(elsewhere(), threads)); };
+    flush();
     twin_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(twin_buffers, threads)); }));
+    flush();
     read_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(buffers, threads)); }));
+    flush();
     twin_seconds.push_back(time_call([&] { benchmark::DoNotOptimize(read_all(twin_buffers, threads)); }));
+    flush();
     const double seconds = time_call([&] {
       kvcache::causal_attention(kvcache::TensorView<const Q>(q.data(), shape), position, setup.history,
                                 kvcache::TensorView<Q>(out.data(), shape), options);
