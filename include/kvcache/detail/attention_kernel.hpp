@@ -431,7 +431,7 @@ class AttentionKernel {
     // rows at two query rows per kv head through L1, one core: 0.67-0.74 -> 0.77-0.80, two
     // interleaved pairs of runs; 2-core AMD EPYC).
     // A row shorter than one read is summed by scalars, which call no hook: weighed first.
-    const bool plain_pass = plain_one_row_ && w.active.size() == 1;
+    const bool plain_pass = plain_one_row_ && sixteen_bit && w.active.size() == 1;
     const bool weigh_in_pass =
         kWeighInPass && sixteen_bit && dim_ >= RowReader<Stored, Acc>::kSplit * kW && !plain_pass;
     const bool fetch_values = (sixteen_bit && (w.active.size() >= 2 || one_row_asks)) ||
