@@ -13,8 +13,8 @@
 //                   base + index + offset (AVX-512)
 // Every iteration times, in turn, the plain read the attention benchmarks compare against
 // (bench_support.hpp's read_all over one buffer) and the row's form, each right after reading as
-// much other memory twice over, so neither finds its bytes in the L3. `vs_plain_read` is the
-// median rate of the form over the median rate of the plain read in the same run.
+// much other memory twice over, and at least as much as the L3, so neither finds its bytes there. `vs_plain_read` is
+// the median rate of the form over the median rate of the plain read in the same run.
 //
 //   ./read_forms_bench
 //   KVCACHE_BENCH_SMOKE=1 ./read_forms_bench --benchmark_min_time=0.001   # a 1 MiB region only
@@ -23,10 +23,13 @@
 
 #include "bench_support.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #include "kvcache/detail/aligned_buffer.hpp"
 
@@ -42,79 +45,52 @@ using kvcache::bench::time_call;
 /// Reads [data, data + bytes) (a whole number of 128-byte steps) with the loads of one form.
 using ReadForm = void (*)(const char* data, std::size_t bytes);
 
+// A loop of 128-byte steps: `zero` clears the sums, `step` reads a step at %0 + %1 (data and the
+// bytes done).
+#define KVCACHE_INDEXED_LOOP(zero, step)                                                \
+  std::size_t i = 0;                                                                    \
+  asm volatile(zero "1:\n\t" step "sub $-128, %1\n\tcmp %1, %2\n\tjne 1b\n\tvzeroupper" \
+               : "+r"(data), "+r"(i)                                                    \
+               : "r"(bytes)                                                             \
+               : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "memory", "cc")
+#define KVCACHE_ZERO_FOUR(r)                                                                                  \
+  "vxorps %%xmm0, %%xmm0, %%xmm0\n\tvmovaps %%" r "0, %%" r "1\n\tvmovaps %%" r "0, %%" r "2\n\tvmovaps %%" r \
+  "0, %%" r "3\n"
+
 void ymm_indexed(const char* data, std::size_t bytes) {
-  std::size_t i = 0;
-  asm volatile(
-      "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
-      "vmovaps %%ymm0, %%ymm1\n\tvmovaps %%ymm0, %%ymm2\n\tvmovaps %%ymm0, %%ymm3\n"
-      "1:\n\t"
-      "vaddps (%0,%1), %%ymm0, %%ymm0\n\t"
-      "vaddps 0x20(%0,%1), %%ymm1, %%ymm1\n\t"
-      "vaddps 0x40(%0,%1), %%ymm2, %%ymm2\n\t"
-      "vaddps 0x60(%0,%1), %%ymm3, %%ymm3\n\t"
-      "sub $-128, %1\n\t"
-      "cmp %1, %2\n\t"
-      "jne 1b\n\t"
-      "vzeroupper"
-      : "+r"(data), "+r"(i)
-      : "r"(bytes)
-      : "xmm0", "xmm1", "xmm2", "xmm3", "memory", "cc");
+  KVCACHE_INDEXED_LOOP(KVCACHE_ZERO_FOUR("ymm"),
+                       "vaddps (%0,%1), %%ymm0, %%ymm0\n\t"
+                       "vaddps 0x20(%0,%1), %%ymm1, %%ymm1\n\t"
+                       "vaddps 0x40(%0,%1), %%ymm2, %%ymm2\n\t"
+                       "vaddps 0x60(%0,%1), %%ymm3, %%ymm3\n\t");
 }
 
 void ymm_base(const char* data, std::size_t bytes) {
   const char* end = data + bytes;
-  asm volatile(
-      "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
-      "vmovaps %%ymm0, %%ymm1\n\tvmovaps %%ymm0, %%ymm2\n\tvmovaps %%ymm0, %%ymm3\n"
-      "1:\n\t"
-      "vaddps (%0), %%ymm0, %%ymm0\n\t"
-      "vaddps 0x20(%0), %%ymm1, %%ymm1\n\t"
-      "vaddps 0x40(%0), %%ymm2, %%ymm2\n\t"
-      "vaddps 0x60(%0), %%ymm3, %%ymm3\n\t"
-      "sub $-128, %0\n\t"
-      "cmp %0, %1\n\t"
-      "jne 1b\n\t"
-      "vzeroupper"
-      : "+r"(data)
-      : "r"(end)
-      : "xmm0", "xmm1", "xmm2", "xmm3", "memory", "cc");
+  asm volatile(KVCACHE_ZERO_FOUR("ymm") "1:\n\t"
+               "vaddps (%0), %%ymm0, %%ymm0\n\t"
+               "vaddps 0x20(%0), %%ymm1, %%ymm1\n\t"
+               "vaddps 0x40(%0), %%ymm2, %%ymm2\n\t"
+               "vaddps 0x60(%0), %%ymm3, %%ymm3\n\t"
+               "sub $-128, %0\n\tcmp %0, %1\n\tjne 1b\n\tvzeroupper"
+               : "+r"(data)
+               : "r"(end)
+               : "xmm0", "xmm1", "xmm2", "xmm3", "memory", "cc");
 }
 
 #if defined(__AVX512F__)
 void zmm_indexed(const char* data, std::size_t bytes) {
-  std::size_t i = 0;
-  asm volatile(
-      "vxorps %%xmm0, %%xmm0, %%xmm0\n\t"
-      "vmovaps %%zmm0, %%zmm1\n"
-      "1:\n\t"
-      "vaddps (%0,%1), %%zmm0, %%zmm0\n\t"
-      "vaddps 0x40(%0,%1), %%zmm1, %%zmm1\n\t"
-      "sub $-128, %1\n\t"
-      "cmp %1, %2\n\t"
-      "jne 1b\n\t"
-      "vzeroupper"
-      : "+r"(data), "+r"(i)
-      : "r"(bytes)
-      : "xmm0", "xmm1", "memory", "cc");
+  KVCACHE_INDEXED_LOOP(KVCACHE_ZERO_FOUR("zmm"),
+                       "vaddps (%0,%1), %%zmm0, %%zmm0\n\t"
+                       "vaddps 0x40(%0,%1), %%zmm1, %%zmm1\n\t");
 }
 
 void widen16_indexed(const char* data, std::size_t bytes) {
-  std::size_t i = 0;
-  asm volatile(
-      "vxorps %%xmm0, %%xmm0, %%xmm0\n\t"
-      "vmovaps %%zmm0, %%zmm1\n\tvmovaps %%zmm0, %%zmm2\n\tvmovaps %%zmm0, %%zmm3\n"
-      "1:\n\t"
-      "vpmovzxwd (%0,%1), %%zmm4\n\tvpaddd %%zmm4, %%zmm0, %%zmm0\n\t"
-      "vpmovzxwd 0x20(%0,%1), %%zmm5\n\tvpaddd %%zmm5, %%zmm1, %%zmm1\n\t"
-      "vpmovzxwd 0x40(%0,%1), %%zmm4\n\tvpaddd %%zmm4, %%zmm2, %%zmm2\n\t"
-      "vpmovzxwd 0x60(%0,%1), %%zmm5\n\tvpaddd %%zmm5, %%zmm3, %%zmm3\n\t"
-      "sub $-128, %1\n\t"
-      "cmp %1, %2\n\t"
-      "jne 1b\n\t"
-      "vzeroupper"
-      : "+r"(data), "+r"(i)
-      : "r"(bytes)
-      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "memory", "cc");
+  KVCACHE_INDEXED_LOOP(KVCACHE_ZERO_FOUR("zmm"),
+                       "vpmovzxwd (%0,%1), %%zmm4\n\tvpaddd %%zmm4, %%zmm0, %%zmm0\n\t"
+                       "vpmovzxwd 0x20(%0,%1), %%zmm5\n\tvpaddd %%zmm5, %%zmm1, %%zmm1\n\t"
+                       "vpmovzxwd 0x40(%0,%1), %%zmm4\n\tvpaddd %%zmm4, %%zmm2, %%zmm2\n\t"
+                       "vpmovzxwd 0x60(%0,%1), %%zmm5\n\tvpaddd %%zmm5, %%zmm3, %%zmm3\n\t");
 }
 #endif
 
@@ -129,9 +105,12 @@ kvcache::detail::AlignedBuffer<float> region(std::size_t bytes) {
 void BM_ReadForms(benchmark::State& state, ReadForm form) {
   const std::size_t bytes = state.range(0) == 0 ? std::size_t{1} << 20 : static_cast<std::size_t>(state.range(0)) << 20;
   const auto data = region(bytes);
-  const auto other = region(2 * bytes);
+  const long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);  // read more than the L3 holds
+  const std::size_t other_bytes =
+      std::max(2 * bytes, l3 > 0 && !kvcache::bench::smoke_mode() ? static_cast<std::size_t>(l3) : 0);
+  const auto other = region(other_bytes);
   const std::vector<std::pair<const float*, std::size_t>> plain{{data.data(), bytes / sizeof(float)}};
-  const std::vector<std::pair<const float*, std::size_t>> elsewhere{{other.data(), 2 * bytes / sizeof(float)}};
+  const std::vector<std::pair<const float*, std::size_t>> elsewhere{{other.data(), other_bytes / sizeof(float)}};
   std::vector<double> plain_seconds;
   std::vector<double> form_seconds;
   for (auto _ : state) {
