@@ -39,21 +39,21 @@ namespace kvcache::detail {
   return pay;
 }
 
-/// Whether the passes that read 16-bit K or V rows from memory for one query row alone (one query
-/// head per kv head, at decode) are kept plain streams: no row asked for ahead, the weights made before
-/// the pass over V rather than in it, and each 64-byte line of bfloat16 loaded by both operations
-/// that split it (RowReader::load_per_use) rather than once. On the Intel Xeon of
-/// pair_products_pay one core's read rate depends on the form of the loads as much as on the
-/// bytes (bench/read_forms_bench: 0.84 of the plain read with 64-byte loads or with the address
-/// moved in the base register, 1.00 with 32-byte loads off an index register); a one-row bf16
-/// pass, isolated over 64 MiB, read 0.90 of the plain read so instead of 0.75-0.84. In the
-/// kernel, all three together, one core, S = 32,768 (bench/ab, a history then read from memory):
-/// bf16 0.75 -> 0.82 of the plain read, half 0.72 -> 0.82; two cores 0.90-0.93 -> 0.95-1.00.
-/// Each alone moved it no more than 0.02, or lost. Float rows are left as they were (V rows not
-/// asked for at one row: one core 0.73 -> 0.73, two cores 0.90 -> 0.88). Where part of a history was still in the L3,
-/// asking ahead paid: 64 MiB of 16-bit history read 1.13-1.16 of the plain read on two cores
-/// asking, 0.78-0.80 plain. On the AMD EPYC the kernel was tuned on, one load a line read 5-10%
-/// faster and weights made in the pass 0.02-0.04 closer to the plain read.
+/// Whether the passes that read 16-bit K or V rows from memory for one query row alone (one
+/// query head per kv head, at decode) are kept plain streams: no row asked for ahead, the weights
+/// made before the pass over V rather than in it, and each 64-byte line of bfloat16 loaded by
+/// both operations that split it (RowReader::load_per_use) rather than once. On the Intel Xeon
+/// of pair_products_pay, one core's read rate depends on the form of the loads as much as on the
+/// bytes (bench/read_forms_bench: 0.81-0.84 of the plain read with 64-byte loads, or with the
+/// address moved in a base register; 1.00 with 32-byte loads off an index register). A one-row
+/// bf16 K pass, isolated over 64 MiB, read 0.90 of the fast read so, 0.77-0.85 as before. In the
+/// kernel, all three together, one core, S = 32,768 (bench/ab, the history read from memory):
+/// bf16 0.75 -> 0.82 of the plain read, half 0.72 -> 0.82; two cores 0.90-0.93 -> 0.95-1.00;
+/// each alone moved it no more than 0.02, or lost. Float rows keep their passes: without their
+/// V rows asked for, two cores went 0.90 -> 0.88. Where part of a history was still in the L3,
+/// asking ahead paid (64 MiB of 16-bit history, two cores: 1.13-1.16 asking, 0.78-0.80 plain).
+/// On the AMD EPYC the kernel was tuned on, one load a line read 5-10% faster, and weights made
+/// in the pass 0.02-0.04 closer to the plain read.
 [[nodiscard]] inline bool plain_one_row_passes() noexcept {
   static const bool plain = cpu_is_intel();
   return plain;

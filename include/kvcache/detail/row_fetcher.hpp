@@ -23,7 +23,7 @@ struct FetchPolicy {
   FetchDistance rows;         // every pass that asks, but the one below
   bool float_values = false;  // ask for float V rows too, not only 16-bit ones
   bool one_row = false;       // ask for 16-bit rows that only one query row reads too
-  // Neither asks for 16-bit rows that one query row reads alone where plain_one_row_passes.
+  // (Where plain_one_row_passes, 16-bit rows that one query row reads alone are never asked for.)
   FetchDistance shared_keys{};  // the pass over K rows that two or more query rows read
 };
 
