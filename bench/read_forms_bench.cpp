@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -94,21 +93,15 @@ void widen16_indexed(const char* data, std::size_t bytes) {
 }
 #endif
 
-/// A region of `bytes` allocated as a cache's storage is (huge pages where Linux gives them).
-kvcache::detail::AlignedBuffer<float> region(std::size_t bytes) {
-  kvcache::detail::AlignedBuffer<float> buffer(bytes / sizeof(float));
-  std::memset(static_cast<void*>(buffer.data()), 0, bytes);
-  return buffer;
-}
-
 /// Args: region MiB (0: 1 MiB, for the smoke run).
 void BM_ReadForms(benchmark::State& state, ReadForm form) {
   const std::size_t bytes = state.range(0) == 0 ? std::size_t{1} << 20 : static_cast<std::size_t>(state.range(0)) << 20;
-  const auto data = region(bytes);
+  // Allocated as a cache's storage is (huge pages where Linux gives them), zeroed.
+  const kvcache::detail::AlignedBuffer<float> data(bytes / sizeof(float));
   const long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);  // read more than the L3 holds
   const std::size_t other_bytes =
       std::max(2 * bytes, l3 > 0 && !kvcache::bench::smoke_mode() ? static_cast<std::size_t>(l3) : 0);
-  const auto other = region(other_bytes);
+  const kvcache::detail::AlignedBuffer<float> other(other_bytes / sizeof(float));
   const std::vector<std::pair<const float*, std::size_t>> plain{{data.data(), bytes / sizeof(float)}};
   const std::vector<std::pair<const float*, std::size_t>> elsewhere{{other.data(), other_bytes / sizeof(float)}};
   std::vector<double> plain_seconds;
