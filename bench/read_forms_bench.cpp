@@ -28,7 +28,6 @@
 #include <utility>
 #include <vector>
 
-#include <unistd.h>
 
 #include "kvcache/detail/aligned_buffer.hpp"
 
@@ -98,9 +97,7 @@ void BM_ReadForms(benchmark::State& state, ReadForm form) {
   const std::size_t bytes = state.range(0) == 0 ? std::size_t{1} << 20 : static_cast<std::size_t>(state.range(0)) << 20;
   // Allocated as a cache's storage is (huge pages where Linux gives them), zeroed.
   const kvcache::detail::AlignedBuffer<float> data(bytes / sizeof(float));
-  const long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);  // read more than the L3 holds
-  const std::size_t other_bytes =
-      std::max(2 * bytes, l3 > 0 && !kvcache::bench::smoke_mode() ? static_cast<std::size_t>(l3) : 0);
+  const std::size_t other_bytes = std::max(2 * bytes, kvcache::bench::l3_bytes());
   const kvcache::detail::AlignedBuffer<float> other(other_bytes / sizeof(float));
   const std::vector<std::pair<const float*, std::size_t>> plain{{data.data(), bytes / sizeof(float)}};
   const std::vector<std::pair<const float*, std::size_t>> elsewhere{{other.data(), other_bytes / sizeof(float)}};

@@ -8,6 +8,7 @@
 #   bench/ab/run.sh cdadbfa HEAD                                   # every cell, 15 iterations
 #   bench/ab/run.sh cdadbfa WORKTREE -- --benchmark_filter='<bfloat16>/H_q:32'
 #   KVCACHE_AB_FLAGS=-mno-avx512f bench/ab/run.sh cdadbfa HEAD        # another vector width
+#   KVCACHE_AB_FLAGS_r1=-mno-avx512f bench/ab/run.sh HEAD HEAD         # ... for one revision (r1)
 #   KVCACHE_AB_CXX=clang++ bench/ab/run.sh cdadbfa HEAD                # another compiler
 #   KVCACHE_AB_KEEP=/tmp/ab bench/ab/run.sh HEAD -- ...                # keep the program (for perf)
 #
@@ -41,8 +42,11 @@ for i in "${!revisions[@]}"; do
     git -C "$root" archive "$rev" include | tar -x -C "$work/$name"
     echo "kvcache ab: $name = $rev ($(git -C "$root" rev-parse --short "$rev"))"
   fi
+  own="KVCACHE_AB_FLAGS_$name"
+  if [[ -n "${!own:-}" ]]; then echo "kvcache ab: $name built with ${!own}"; fi
   # The library's namespace renamed per revision, so that their inline functions stay apart.
-  "$cxx" "${flags[@]}" -Dkvcache="kvcache_$name" -DKVCACHE_AB_NAME="$name" -I"$work/$name/include" \
+  # shellcheck disable=SC2086  # the flags are words
+  "$cxx" "${flags[@]}" ${!own:-} -Dkvcache="kvcache_$name" -DKVCACHE_AB_NAME="$name" -I"$work/$name/include" \
     -I"$root/bench/ab" -c "$root/bench/ab/variant.cpp" -o "$work/$name.o" &
   objects+=("$work/$name.o")
   list+="X($name) "
