@@ -1004,14 +1004,16 @@ TEST(AttentionMath, PairSumsAreExactWeightedSumsInRegisterOrder) {
 }
 #endif
 
-// One query row per kv head read as plain streams (no row asked for ahead, weights made before
-// the pass over V, bfloat16 lines loaded by each operation that uses them) and as the other
-// processors read it: which one causal_attention takes is the processor's
-// (detail::plain_one_row_passes), so both are run here, for every 16-bit type and float, at
-// D = 128 over keys that span several tiles, one and three threads, decode and a chunk of three.
-template <class T>
-void expect_plain_one_row_passes_match_the_reference() {
-  const std::size_t kv_heads = 2, keys = 4500, dim = 128;
+// The forms of the kernel a processor may choose between, each run here whatever this processor
+// is: one query row per kv head read as plain streams (no row asked for ahead, weights made
+// before the pass over V, bfloat16 lines loaded by each operation that uses them) or as the
+// other processors read it (detail::plain_one_row_passes), and vectors of the build's width or,
+// where that is 64 bytes, of 32 (detail::narrow_vectors_pay). For every 16-bit type and float, one, two and four query
+// rows per kv head, D = 128 and one with a tail (72), over keys that span several tiles, one and
+// three threads, decode and a chunk of three.
+template <class T, std::size_t B>
+void expect_kernel_form_matches_the_reference(std::size_t group, std::size_t dim) {
+  const std::size_t kv_heads = 2, keys = 4500;
   const Block<T> k({1, kv_heads, keys, dim}, 71);
   const Block<T> v({1, kv_heads, keys, dim}, 72);
   const std::vector<std::int64_t> key_positions = arange(0, keys);
@@ -1019,13 +1021,13 @@ void expect_plain_one_row_passes_match_the_reference() {
   const History<T> history{std::span<const Segment<T>>(&segment, 1)};
   const float scale = 1.0F / std::sqrt(static_cast<float>(dim));
   for (const std::size_t chunk : {std::size_t{1}, std::size_t{3}}) {
-    const Block<float> q({1, kv_heads, chunk, dim}, 73);
+    const Block<float> q({1, kv_heads * group, chunk, dim}, 73);
     const std::vector<std::int64_t> q_positions = arange(keys - chunk, chunk);
     const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), scale, {});
     for (const bool plain : {false, true}) {
       for (const std::size_t threads : {std::size_t{1}, std::size_t{3}}) {
         std::vector<float> out(q.data.size());
-        const detail::AttentionKernel<T, float, float> kernel(
+        const detail::AttentionKernel<T, float, float, B> kernel(
             q.view(), q_positions, history, TensorView<float>(out.data(), q.shape), detail::VisibilityRule(0, 0, 0, 0),
             scale, detail::pair_products_pay(), plain);
         detail::run_attention(kernel, 1, kv_heads, chunk, threads);
@@ -1033,17 +1035,27 @@ void expect_plain_one_row_passes_match_the_reference() {
         for (std::size_t i = 0; i < out.size() && bad == out.size(); ++i) {
           if (!(std::abs(static_cast<double>(out[i]) - want.data[i]) <= Tolerance<T>::value)) bad = i;
         }
-        EXPECT_EQ(bad, out.size()) << "chunk " << chunk << ", plain " << plain << ", threads " << threads << ": value "
-                                   << bad;
+        EXPECT_EQ(bad, out.size()) << B << "-byte vectors, G " << group << ", D " << dim << ", chunk " << chunk
+                                   << ", plain " << plain << ", threads " << threads << ": value " << bad;
       }
     }
   }
 }
 
-TEST(PlainOneRowPasses, AndTheOtherPassesBothMatchTheReference) {
-  expect_plain_one_row_passes_match_the_reference<Eigen::bfloat16>();
-  expect_plain_one_row_passes_match_the_reference<Eigen::half>();
-  expect_plain_one_row_passes_match_the_reference<float>();
+template <class T>
+void expect_every_kernel_form_matches_the_reference() {
+  for (const std::size_t group : {std::size_t{1}, std::size_t{2}, std::size_t{4}}) {
+    for (const std::size_t dim : {std::size_t{128}, std::size_t{72}}) {
+      expect_kernel_form_matches_the_reference<T, detail::kVectorBytes>(group, dim);
+      if constexpr (detail::kVectorBytes == 64) expect_kernel_form_matches_the_reference<T, 32>(group, dim);
+    }
+  }
+}
+
+TEST(KernelForms, EveryFormMatchesTheReference) {
+  expect_every_kernel_form_matches_the_reference<Eigen::bfloat16>();
+  expect_every_kernel_form_matches_the_reference<Eigen::half>();
+  expect_every_kernel_form_matches_the_reference<float>();
 }
 
 // The register order of a row (queries in, outputs out): reorder_row puts every value where

@@ -98,6 +98,14 @@ void check_attention(const TensorView<const Q>& q, std::span<const std::int64_t>
   }
 }
 
+/// Runs the kernel with vectors of B bytes.
+template <std::size_t B, class T, class Q, class Acc>
+void attend(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
+            TensorView<Q> out, const VisibilityRule& rule, Acc scale, std::size_t threads) {
+  const AttentionKernel<T, Q, Acc, B> kernel(q, q_positions, history, out, rule, scale);
+  run_attention(kernel, q.batch(), history.segments.front().keys.heads(), q.tokens(), threads);
+}
+
 }  // namespace detail
 
 /// out[b, h, t] = softmax over the visible keys of q[b, h, t] . k / sqrt(D), times v.
@@ -122,8 +130,15 @@ void causal_attention(TensorView<const Q> q, std::span<const std::int64_t> q_pos
   const Acc scale =
       options.scale != 0.0f ? static_cast<Acc>(options.scale) : Acc{1} / std::sqrt(static_cast<Acc>(q.head_dim()));
   const detail::VisibilityRule rule(history.window, history.sinks, options.window, options.sinks);
-  const detail::AttentionKernel<T, Q, Acc> kernel(q, q_positions, history, out, rule, scale);
-  detail::run_attention(kernel, q.batch(), history.segments.front().keys.heads(), q.tokens(), options.threads);
+  if constexpr (detail::kVectorBytes == 64 && std::is_same_v<Acc, float>) {
+    // One code path at either width: the processor decides which reads faster (narrow_vectors_pay).
+    const std::size_t group = q.heads() / history.segments.front().keys.heads();
+    const std::size_t rows = group * detail::AttentionKernel<T, Q, Acc, 32>::block_queries_for(group, q.tokens());
+    if (detail::narrow_vectors_pay(rows, sizeof(T) < sizeof(Acc))) {
+      return detail::attend<32>(q, q_positions, history, out, rule, scale, options.threads);
+    }
+  }
+  detail::attend<detail::kVectorBytes>(q, q_positions, history, out, rule, scale, options.threads);
 }
 
 /// causal_attention for a mutable q view, so TensorView<float> works without a cast.

@@ -106,7 +106,7 @@ struct AttentionItem {
   std::size_t partial = 0;  // where a split item leaves its running state (unused when unsplit)
 };
 
-template <class T, class Q, class Acc>
+template <class T, class Q, class Acc, std::size_t B = kVectorBytes>
 class AttentionKernel {
  public:
   /// Scratch of one worker: a block's queries and accumulators, a tile's scores and, for rows
@@ -134,7 +134,7 @@ class AttentionKernel {
         scale_(scale),
         dim_(q.head_dim()),
         group_(q.heads() / history.segments.front().keys.heads()),
-        block_queries_(std::clamp<std::size_t>(kTargetRows / group_, 1, std::max<std::size_t>(q.tokens(), 1))),
+        block_queries_(block_queries_for(group_, q.tokens())),
         rows_(group_ * block_queries_),
         tile_(
             std::clamp<std::size_t>(kTileBytes / (std::max<std::size_t>(dim_, 1) * sizeof(Stored)), kW, kMaxTileKeys) /
@@ -149,6 +149,11 @@ class AttentionKernel {
     // call: bf16 at H_q = 32, one core, S = 32,768; 2-core AMD EPYC).
     ascending_.reserve(segments_.size());
     for (const Segment<T>& s : segments_) ascending_.push_back(std::is_sorted(s.positions.begin(), s.positions.end()));
+  }
+
+  /// The queries of a block, given G query heads per kv head and T queries.
+  [[nodiscard]] static std::size_t block_queries_for(std::size_t group, std::size_t tokens) noexcept {
+    return std::clamp<std::size_t>(kTargetRows / std::max<std::size_t>(group, 1), 1, std::max<std::size_t>(tokens, 1));
   }
 
   [[nodiscard]] std::size_t keys() const noexcept { return offsets_.back(); }
@@ -245,7 +250,7 @@ class AttentionKernel {
   // row keeps (8 KiB).
   static constexpr std::size_t kTileBytes = 524288;
   static constexpr std::size_t kMaxTileKeys = 2048;
-  static constexpr std::size_t kW = kVector<Acc>;  // keys scored at once
+  static constexpr std::size_t kW = kVector<Acc, B>;  // keys scored at once
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;
   // bfloat16 queries over bfloat16 keys: four query rows are scored by pair products
@@ -256,7 +261,7 @@ class AttentionKernel {
   // cache. Two rows (H_q = 16) ran faster in cache (8.6 -> 7.5 ns a key) but 0.00-0.07 further
   // from the plain read from memory (six pairs of runs), so they keep score_keys (AVX-512 AMD
   // EPYC).
-  static constexpr bool kScoresPairs = KVCACHE_BF16_PAIRS && std::is_same_v<T, Eigen::bfloat16> &&
+  static constexpr bool kScoresPairs = KVCACHE_BF16_PAIRS && B == kVectorBytes && std::is_same_v<T, Eigen::bfloat16> &&
                                        std::is_same_v<Q, Eigen::bfloat16> && std::is_same_v<Acc, float>;
   // Their passes over V (ThroughL1<4>) by pair products too, two keys a step, the weights
   // rounded to bfloat16, the precision of the values they multiply (accumulate_pairs_in_l1).
@@ -270,12 +275,11 @@ class AttentionKernel {
   // under AVX-512 and AVX2. Float at four query rows per kv head under AVX2, one core, S = 32,768:
   // 0.45 -> 0.51 of the plain read against two pairs of rows (one interleaved run, 2-core AMD
   // EPYC); bf16 see kHoldsKeys.
-  static constexpr bool kScoresFour =
-      kVectorBytes >= 32 && kW % 4 == 0 && kScoreRegisters<4, Stored, Acc> <= kRegisters;
+  static constexpr bool kScoresFour = B >= 32 && kW % 4 == 0 && kScoreRegisters<4, Stored, Acc, B> <= kRegisters;
   // The longest V row that R rows of accumulators hold in registers at once.
   template <std::size_t R>
   static constexpr std::size_t whole_row() noexcept {
-    return kBlockRegisters<R, Stored, Acc> * kW;
+    return kBlockRegisters<R, Stored, Acc, B> * kW;
   }
 
   /// Row r of a block is query first_query + r / G of query head kv_head * G + r % G.
@@ -289,7 +293,7 @@ class AttentionKernel {
       const Q* src = q_.row(item.batch, head_of(item, r), item.first_query + r / group_);
       // Scaled, so that scores come out scaled; in the order the K rows are read in.
       for (std::size_t d = 0; d < dim_; ++d) dst[d] = load_as<Acc>(src, d) * scale_;
-      reorder_row<Stored, Acc, true>(dst, dim_);
+      reorder_row<Stored, Acc, true, B>(dst, dim_);
       if (pairs_) std::copy_n(src, dim_, w.given_queries.data() + r * dim_);
     }
   }
@@ -298,7 +302,7 @@ class AttentionKernel {
   void write_row(const AttentionItem& item, std::size_t r, Acc* acc, Acc sum) const noexcept {
     Q* dst = out_.row(item.batch, head_of(item, r), item.first_query + r / group_);
     const Acc inverse = sum > 0 ? Acc{1} / sum : Acc{0};  // no visible key: zeros
-    reorder_row<Stored, Acc, false>(acc, dim_);
+    reorder_row<Stored, Acc, false, B>(acc, dim_);
     for (std::size_t d = 0; d < dim_; ++d) {
       if constexpr (std::is_same_v<Q, Eigen::half> || std::is_same_v<Q, Eigen::bfloat16>) {
         dst[d] = static_cast<Q>(static_cast<float>(acc[d] * inverse));
@@ -433,7 +437,7 @@ class AttentionKernel {
     // A row shorter than one read is summed by scalars, which call no hook: weighed first.
     const bool plain_pass = plain_one_row_ && sixteen_bit && w.active.size() == 1;
     const bool weigh_in_pass =
-        kWeighInPass && sixteen_bit && dim_ >= RowReader<Stored, Acc>::kSplit * kW && !plain_pass;
+        kWeighInPass && sixteen_bit && dim_ >= RowReader<Stored, Acc, B>::kSplit * kW && !plain_pass;
     const bool fetch_values = (sixteen_bit && (w.active.size() >= 2 || one_row_asks)) ||
                               (policy.float_values && !plain_pass) || rows_through_l1(w.active.size()) != 0;
     with_rows(segment.values, item, first, count, fetch_values ? count + ahead : 0, policy.rows, w.values,
@@ -576,7 +580,7 @@ class AttentionKernel {
   /// (two runs of 15 calls of each build timed in turn as bench/ab does; 2-core AMD EPYC with
   /// AVX-512).
   [[nodiscard]] std::size_t rows_through_l1(std::size_t n) const noexcept {
-    if (kVectorBytes < 32 || dim_ != kThroughL1Dim) return 0;
+    if (B < 32 || dim_ != kThroughL1Dim) return 0;
     if (n >= 4) return 4;
     if (n >= 2 && dim_ > whole_row<2>()) return 2;
     return 0;
@@ -622,7 +626,7 @@ class AttentionKernel {
     } else if (through_l1 == 2) {
       f(ThroughL1<2>{}, i);
       i += 2;
-    } else if (kVectorBytes == 32 && n >= 2 && dim_ <= whole_row<1>()) {
+    } else if (B == 32 && n >= 2 && dim_ <= whole_row<1>()) {
       f(One{}, i);
       i += 1;
     }
@@ -678,9 +682,8 @@ class AttentionKernel {
   template <std::size_t R, std::size_t Dim>
   void score_fixed(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                    const RowFetcher& fetch) const noexcept {
-    constexpr std::size_t kRead = RowReader<Stored, Acc>::kSplit * kW;
-    if constexpr (Dim % kRead == 0 &&
-                  ((R == 1 && Dim / kW <= (kVectorBytes == 32 ? kRegisters : kAccumulators)) || kVectorBytes == 32)) {
+    constexpr std::size_t kRead = RowReader<Stored, Acc, B>::kSplit * kW;
+    if constexpr (Dim % kRead == 0 && ((R == 1 && Dim / kW <= (B == 32 ? kRegisters : kAccumulators)) || B == 32)) {
       const Acc* q[R];
       Acc* out[R];
       for (std::size_t r = 0; r < R; ++r) {
@@ -689,10 +692,10 @@ class AttentionKernel {
       }
       if constexpr (R == 1 && std::is_same_v<Stored, Eigen::bfloat16>) {
         if (plain_one_row_ && w.readers.size() == 1) {
-          return score_in_order<R, Dim, true>(q, keys, stride, count, out, fetch);
+          return score_in_order<R, Dim, true, B>(q, keys, stride, count, out, fetch);
         }
       }
-      score_in_order<R, Dim>(q, keys, stride, count, out, fetch);
+      score_in_order<R, Dim, false, B>(q, keys, stride, count, out, fetch);
     } else if constexpr (kW / R <= kMaxFixedKeys && Dim % kRead == 0 && Dim / kRead <= 16) {
       score_rows<R, Dim>(w, i, keys, stride, count, fetch);
     } else {
@@ -748,7 +751,7 @@ class AttentionKernel {
       if constexpr (pairs) {
         score_key_pairs<R, Dim>(q, rows, scale_, at);
       } else {
-        score_keys<R, Dim>(q, rows, dim_, at);
+        score_keys<R, Dim, B>(q, rows, dim_, at);
       }
     }
   }
@@ -771,11 +774,11 @@ class AttentionKernel {
     sums_and_weights(w, i, acc, weights);
     if constexpr (R == 1 && std::is_same_v<Stored, Eigen::bfloat16>) {
       if (plain_one_row_ && w.active.size() == 1) {
-        return accumulate_rows<R, kBlockRegisters<R, Stored, Acc>, true>(acc, weights, values, stride, count, dim_,
-                                                                         fetch);
+        return accumulate_rows<R, kBlockRegisters<R, Stored, Acc, B>, true, B>(acc, weights, values, stride, count,
+                                                                               dim_, fetch);
       }
     }
-    accumulate_rows<R, kBlockRegisters<R, Stored, Acc>>(acc, weights, values, stride, count, dim_, fetch);
+    accumulate_rows<R, kBlockRegisters<R, Stored, Acc, B>, false, B>(acc, weights, values, stride, count, dim_, fetch);
   }
 
   /// The same for active rows [i, i + R) as ThroughL1<R> (dim_ == kThroughL1Dim).
@@ -785,7 +788,7 @@ class AttentionKernel {
     Acc* acc[R];
     const Acc* weights[R];
     sums_and_weights(w, i, acc, weights);
-    accumulate_whole_rows_in_l1<R, kThroughL1Dim, kHeldRows<R>>(acc, weights, values, stride, count, fetch);
+    accumulate_whole_rows_in_l1<R, kThroughL1Dim, kHeldRows<R>, B>(acc, weights, values, stride, count, fetch);
   }
 
   /// Online softmax, first half: raises a row's running max to its tile's, rescaling the running
@@ -807,13 +810,13 @@ class AttentionKernel {
   /// by the scalar one. Returns their sum, added as sum_of adds (the pass over V that weighs as
   /// it goes discards it and calls sum_of after).
   KVCACHE_ALWAYS_INLINE static Acc weigh(Acc* scores, std::size_t n, Acc max) noexcept {
-    using V = Vector<Acc>;
+    using V = Vector<Acc, B>;
     std::size_t j = 0;
     Acc total = 0;
     if constexpr (KVCACHE_VECTOR_EXP && std::is_same_v<Acc, float>) {
-      V lanes = splat(Acc{0});
+      V lanes = splat<B>(Acc{0});
       for (; j + kW <= n; j += kW) {
-        const V weights = exp_nonpositive(load_vector<V>(scores + j) - splat(max));
+        const V weights = exp_nonpositive(load_vector<V>(scores + j) - splat<B>(max));
         store_vector(scores + j, weights);
         lanes += weights;
       }
@@ -860,8 +863,8 @@ inline std::size_t attention_threads(std::size_t requested, std::size_t work_byt
 
 /// Plans the work items and runs them: blocks of queries per (batch, kv head), and when that
 /// leaves threads idle over a long history, the keys split among them and merged at the end.
-template <class T, class Q, class Acc>
-void run_attention(const AttentionKernel<T, Q, Acc>& kernel, std::size_t batch, std::size_t kv_heads,
+template <class T, class Q, class Acc, std::size_t B>
+void run_attention(const AttentionKernel<T, Q, Acc, B>& kernel, std::size_t batch, std::size_t kv_heads,
                    std::size_t queries, std::size_t requested_threads) {
   constexpr std::size_t kMinSplitKeys = 512;
   const std::size_t keys = kernel.keys();
@@ -889,7 +892,7 @@ void run_attention(const AttentionKernel<T, Q, Acc>& kernel, std::size_t batch, 
   }
   threads = std::min(threads, items.size());
   // Every allocation happens here, before a thread starts: a worker never throws.
-  std::vector<typename AttentionKernel<T, Q, Acc>::Workspace> workspaces;
+  std::vector<typename AttentionKernel<T, Q, Acc, B>::Workspace> workspaces;
   workspaces.reserve(threads);
   for (std::size_t i = 0; i < threads; ++i) workspaces.push_back(kernel.workspace());
   std::vector<Acc> partials(splits > 1 ? items.size() * kernel.partial_size() : 0);

@@ -45,11 +45,12 @@ inline constexpr std::size_t kVectorBytes = 32;
 inline constexpr std::size_t kVectorBytes = 16;
 #endif
 
-/// Acc values per vector register.
-template <class Acc>
-inline constexpr std::size_t kVector = kVectorBytes / sizeof(Acc);
+/// Acc values per vector register of B bytes (the build's width, or under AVX-512 a narrower one
+/// a kernel may be compiled for besides: narrow_vectors_pay).
+template <class Acc, std::size_t B = kVectorBytes>
+inline constexpr std::size_t kVector = B / sizeof(Acc);
 
-/// Vector registers: AVX-512 has 32, SSE2 and AVX2 have 16.
+/// Vector registers: AVX-512 has 32 (of every width), SSE2 and AVX2 have 16.
 inline constexpr std::size_t kRegisters = kVectorBytes == 64 ? 32 : 16;
 
 /// Vector registers of accumulators a loop may hold without spilling, with room left for its
@@ -85,31 +86,34 @@ struct LoopVector {
 
 #if defined(__GNUC__) || defined(__clang__)
 #define KVCACHE_VECTOR_EXTENSIONS 1
-/// E[kVectorBytes / sizeof(E)] as one register: GCC/Clang vector extensions.
-template <class E>
+/// E[B / sizeof(E)] as one register: GCC/Clang vector extensions.
+/// Spelled out for each width: GCC ignores vector_size with a size that is a template parameter.
+template <class E, std::size_t B>
 struct VectorOf;
-template <>
-struct VectorOf<float> {
-  using type = float __attribute__((vector_size(kVectorBytes)));
-};
-template <>
-struct VectorOf<double> {
-  using type = double __attribute__((vector_size(kVectorBytes)));
-};
-template <>
-struct VectorOf<std::uint32_t> {
-  using type = std::uint32_t __attribute__((vector_size(kVectorBytes)));
-};
+#define KVCACHE_VECTOR_OF(E, B)                     \
+  template <>                                       \
+  struct VectorOf<E, B> {                           \
+    using type = E __attribute__((vector_size(B))); \
+  };
+#define KVCACHE_VECTORS_OF(E) KVCACHE_VECTOR_OF(E, 16) KVCACHE_VECTOR_OF(E, 32) KVCACHE_VECTOR_OF(E, 64)
+KVCACHE_VECTORS_OF(float)
+KVCACHE_VECTORS_OF(double)
+KVCACHE_VECTORS_OF(std::uint32_t)
+KVCACHE_VECTORS_OF(std::int32_t)
+KVCACHE_VECTORS_OF(std::uint16_t)
+KVCACHE_VECTOR_OF(std::uint16_t, 8)  // half of the narrowest register: its halves, to be widened
+#undef KVCACHE_VECTORS_OF
+#undef KVCACHE_VECTOR_OF
 #else
 #define KVCACHE_VECTOR_EXTENSIONS 0
-template <class E>
+template <class E, std::size_t B>
 struct VectorOf {
-  using type = LoopVector<E, kVectorBytes / sizeof(E)>;
+  using type = LoopVector<E, B / sizeof(E)>;
 };
 #endif
 
-template <class E>
-using Vector = typename VectorOf<E>::type;
+template <class E, std::size_t B = kVectorBytes>
+using Vector = typename VectorOf<E, B>::type;
 
 /// Calls f(std::integral_constant<std::size_t, i>) for i in [0, N), unrolled: arrays of
 /// registers indexed this way stay in registers. The inner lambda is forced inline too: Clang 14
@@ -146,14 +150,14 @@ inline V in_register(V v) noexcept {
   return v;
 }
 
-template <class Acc>
-inline Vector<Acc> splat(Acc x) noexcept {
-  if constexpr (std::is_class_v<Vector<Acc>>) {
-    Vector<Acc> v;
-    for (std::size_t i = 0; i < kVector<Acc>; ++i) v[i] = x;
+template <std::size_t B = kVectorBytes, class Acc>
+inline Vector<Acc, B> splat(Acc x) noexcept {
+  if constexpr (std::is_class_v<Vector<Acc, B>>) {
+    Vector<Acc, B> v;
+    for (std::size_t i = 0; i < kVector<Acc, B>; ++i) v[i] = x;
     return v;
   } else {
-    return x - Vector<Acc>{};  // the scalar is broadcast; x - 0 is x, so no add is left
+    return x - Vector<Acc, B>{};  // the scalar is broadcast; x - 0 is x, so no add is left
   }
 }
 
@@ -210,91 +214,99 @@ inline constexpr bool kConvertsInRegisters = std::is_same_v<T, Acc> ||
 /// even values by a shift and the odd ones by a mask, two integer operations and no shuffle.
 /// Queries and accumulators are kept in the same order as the registers (lane(d)), so a dot
 /// product or a weighted sum never has to put the values back in order until the output.
-template <class T, class Acc>
+template <class T, class Acc, std::size_t B = kVectorBytes>
 struct RowReader {
   static_assert(std::is_same_v<T, Acc>, "RowReader: rows are read as Acc, or as bfloat16 or half into float.");
   static constexpr std::size_t kSplit = 1;
-  static void load(const T* p, Vector<Acc> (&out)[kSplit]) noexcept { out[0] = load_vector<Vector<Acc>>(p); }
+  static void load(const T* p, Vector<Acc, B> (&out)[kSplit]) noexcept { out[0] = load_vector<Vector<Acc, B>>(p); }
 };
 
-template <>
-struct RowReader<Eigen::bfloat16, float> {
+template <std::size_t B>
+struct RowReader<Eigen::bfloat16, float, B> {
   static_assert(sizeof(Eigen::bfloat16) == 2);
   static constexpr std::size_t kSplit = 2;
-  static void load(const Eigen::bfloat16* p, Vector<float> (&out)[kSplit]) noexcept {
+  using V = Vector<float, B>;
+  static void load(const Eigen::bfloat16* p, V (&out)[kSplit]) noexcept {
     // One load: GCC would fold it into both operations and read every line twice from L1
     // (one bf16 query row ran 5-10% faster from memory with one).
-    const auto pairs = in_register(load_vector<Vector<std::uint32_t>>(p));
-    out[0] = std::bit_cast<Vector<float>>(pairs << 16);                                      // even values
-    out[1] = std::bit_cast<Vector<float>>(pairs & static_cast<std::uint32_t>(0xFFFF0000U));  // odd values
+    const auto pairs = in_register(load_vector<Vector<std::uint32_t, B>>(p));
+    out[0] = std::bit_cast<V>(pairs << 16);                                      // even values
+    out[1] = std::bit_cast<V>(pairs & static_cast<std::uint32_t>(0xFFFF0000U));  // odd values
   }
   /// The same values, each of the two operations taking the line from memory itself (where GCC
   /// folds the load into both): the form a plain one-row pass reads in (plain_one_row_passes).
-  static void load_per_use(const Eigen::bfloat16* p, Vector<float> (&out)[kSplit]) noexcept {
-    const auto pairs = load_vector<Vector<std::uint32_t>>(p);
-    out[0] = std::bit_cast<Vector<float>>(pairs << 16);
-    out[1] = std::bit_cast<Vector<float>>(pairs & static_cast<std::uint32_t>(0xFFFF0000U));
+  static void load_per_use(const Eigen::bfloat16* p, V (&out)[kSplit]) noexcept {
+    const auto pairs = load_vector<Vector<std::uint32_t, B>>(p);
+    out[0] = std::bit_cast<V>(pairs << 16);
+    out[1] = std::bit_cast<V>(pairs & static_cast<std::uint32_t>(0xFFFF0000U));
   }
 };
 
 #if KVCACHE_VECTOR_EXTENSIONS
 /// Half-precision bit patterns, one in the low 16 bits of each lane, as floats, exactly.
-inline Vector<float> floats_from_half_bits(const Vector<std::uint32_t>& bits) noexcept {
-  using Bits = Vector<std::uint32_t>;
-  using Signed = std::int32_t __attribute__((vector_size(kVectorBytes)));
+template <class Bits>
+inline auto floats_from_half_bits(const Bits& bits) noexcept {
+  using Signed = Vector<std::int32_t, sizeof(Bits)>;
   const Bits magnitude = bits & 0x7FFFU;
   // Exponent and mantissa moved to where a float keeps them: read as a float, that is the half's
   // value times 2^-112, subnormal halves included (they become float subnormals or normals
   // scaled alike), so one exact multiply rebases the exponent. (A program that sets
   // denormals-are-zero, as -ffast-math may, reads half subnormals, below 6.1e-5, as 0.)
-  const Bits scaled = std::bit_cast<Bits>(std::bit_cast<Vector<float>>(magnitude << 13) * 0x1p112F);
+  const Bits scaled = std::bit_cast<Bits>(std::bit_cast<Vector<float, sizeof(Bits)>>(magnitude << 13) * 0x1p112F);
   // Infinity and NaN (exponent all ones, now 2^16 times 1.mantissa) get a float's all-ones
   // exponent; a signed comparison, which SSE2 has, as the magnitude fits in 15 bits.
   const Bits special = std::bit_cast<Bits>(std::bit_cast<Signed>(magnitude) > 0x7BFF);
-  return std::bit_cast<Vector<float>>(scaled | (special & 0x7F800000U) | ((bits & 0x8000U) << 16));
+  return std::bit_cast<Vector<float, sizeof(Bits)>>(scaled | (special & 0x7F800000U) | ((bits & 0x8000U) << 16));
 }
 
-template <>
-struct RowReader<Eigen::half, float> {
+template <std::size_t B>
+struct RowReader<Eigen::half, float, B> {
   static_assert(sizeof(Eigen::half) == 2);
   static constexpr std::size_t kSplit = 1;
+  using V = Vector<float, B>;
   // A register's worth of halves is half a register, widened to one register in order.
-  static void load(const Eigen::half* p, Vector<float> (&out)[kSplit]) noexcept {
+  static void load(const Eigen::half* p, V (&out)[kSplit]) noexcept {
 #if KVCACHE_HALF_INSTRUCTION && defined(__AVX512F__)
-    // The zero-masked form with every lane kept: the plain one passes GCC 12 an undefined
-    // register, which -Wmaybe-uninitialized reports once inlined.
-    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    out[0] = std::bit_cast<Vector<float>>(_mm512_maskz_cvtph_ps(static_cast<__mmask16>(0xFFFF), halves));
-#elif KVCACHE_HALF_INSTRUCTION
-    out[0] = std::bit_cast<Vector<float>>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else
-    using Halves = std::uint16_t __attribute__((vector_size(kVectorBytes / 2)));
-    out[0] = floats_from_half_bits(__builtin_convertvector(load_vector<Halves>(p), Vector<std::uint32_t>));
+    if constexpr (B == 64) {
+      // The zero-masked form with every lane kept: the plain one passes GCC 12 an undefined
+      // register, which -Wmaybe-uninitialized reports once inlined.
+      const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      out[0] = std::bit_cast<V>(_mm512_maskz_cvtph_ps(static_cast<__mmask16>(0xFFFF), halves));
+      return;
+    }
 #endif
+#if KVCACHE_HALF_INSTRUCTION
+    if constexpr (B == 32) {
+      out[0] = std::bit_cast<V>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      return;
+    }
+#endif
+    using Halves = Vector<std::uint16_t, B / 2>;
+    out[0] = floats_from_half_bits(__builtin_convertvector(load_vector<Halves>(p), Vector<std::uint32_t, B>));
   }
 };
 #endif
 
-/// RowReader<T, Acc>::load, or for bfloat16 rows where PerUse, load_per_use.
-template <bool PerUse, class T, class Acc>
-KVCACHE_ALWAYS_INLINE inline void read_row(const T* p, Vector<Acc> (&out)[RowReader<T, Acc>::kSplit]) noexcept {
+/// RowReader<T, Acc, B>::load, or for bfloat16 rows where PerUse, load_per_use.
+template <bool PerUse, std::size_t B, class T, class Acc>
+KVCACHE_ALWAYS_INLINE inline void read_row(const T* p, Vector<Acc, B> (&out)[RowReader<T, Acc, B>::kSplit]) noexcept {
   if constexpr (PerUse && std::is_same_v<T, Eigen::bfloat16>) {
-    RowReader<T, Acc>::load_per_use(p, out);
+    RowReader<T, Acc, B>::load_per_use(p, out);
   } else {
-    RowReader<T, Acc>::load(p, out);
+    RowReader<T, Acc, B>::load(p, out);
   }
 }
 
 /// Where value d of a row of `dim` lives in the register order of RowReader<T, Acc>: whole
 /// groups of kSplit * W values are split into even and odd halves; the tail stays in order.
-template <class T, class Acc>
+template <class T, class Acc, std::size_t B = kVectorBytes>
 inline std::size_t lane_of(std::size_t d, std::size_t dim) noexcept {
-  constexpr std::size_t split = RowReader<T, Acc>::kSplit;
-  constexpr std::size_t group = split * kVector<Acc>;
+  constexpr std::size_t split = RowReader<T, Acc, B>::kSplit;
+  constexpr std::size_t group = split * kVector<Acc, B>;
   if (split == 1 || d >= dim / group * group) return d;
   const std::size_t base = d / group * group;
   const std::size_t i = d - base;
-  return base + (i % split) * kVector<Acc> + i / split;
+  return base + (i % split) * kVector<Acc, B> + i / split;
 }
 
 /// Lane l of the even (odd false) or odd values of two registers read as one run (split_lane),
@@ -310,13 +322,13 @@ constexpr int joined_lane(std::size_t w, bool high, std::size_t l) noexcept {
 /// back: the queries go in once per row and the outputs come out. Whole groups move by two
 /// shuffles a register; a value at a time, a bf16 decode call over 8 kv heads of 16 keys
 /// (H_q = 32, one core) took 6.3-6.5 us instead of 4.5-4.7 (ShortAB, AVX-512 AMD EPYC).
-template <class T, class Acc, bool ToLanes>
+template <class T, class Acc, bool ToLanes, std::size_t B = kVectorBytes>
 inline void reorder_row(Acc* row, std::size_t dim) noexcept {
-  constexpr std::size_t split = RowReader<T, Acc>::kSplit;
+  constexpr std::size_t split = RowReader<T, Acc, B>::kSplit;
   if constexpr (split > 1) {
     static_assert(split == 2, "reorder_row: a read splits into even and odd values.");
-    using V = Vector<Acc>;
-    constexpr std::size_t W = kVector<Acc>;
+    using V = Vector<Acc, B>;
+    constexpr std::size_t W = kVector<Acc, B>;
     for (std::size_t base = 0; base + 2 * W <= dim; base += 2 * W) {
       const V a = load_vector<V>(row + base);
       const V b = load_vector<V>(row + base + W);
@@ -423,25 +435,26 @@ KVCACHE_ALWAYS_INLINE inline void for_each_step(std::size_t dim, const F& f) noe
 /// both cost the same (45 cycles a key); from memory K is read once: one core, S = 16,384 and
 /// 32,768, 0.34-0.48 -> 0.45-0.57 of the plain read, two cores 0.42-0.53 -> 0.48-0.60 (ten and
 /// seven interleaved pairs of runs, AVX2 AMD EPYC).
-template <std::size_t R, class T, class Acc>
-inline constexpr bool kHoldsKeys = kVector<Acc> + (R + 1) * RowReader<T, Acc>::kSplit > kRegisters;
+template <std::size_t R, class T, class Acc, std::size_t B = kVectorBytes>
+inline constexpr bool kHoldsKeys = kVector<Acc, B> + (R + 1) * RowReader<T, Acc, B>::kSplit > kRegisters;
 
 /// The vector registers score_keys<R> takes.
-template <std::size_t R, class T, class Acc>
-inline constexpr std::size_t kScoreRegisters = kVector<Acc> +
-                                               (kHoldsKeys<R, T, Acc> ? kVector<Acc> / R * RowReader<T, Acc>::kSplit + 1
-                                                                      : (R + 1) * RowReader<T, Acc>::kSplit);
+template <std::size_t R, class T, class Acc, std::size_t B = kVectorBytes>
+inline constexpr std::size_t kScoreRegisters = kVector<Acc, B> +
+                                               (kHoldsKeys<R, T, Acc, B>
+                                                    ? kVector<Acc, B> / R * RowReader<T, Acc, B>::kSplit + 1
+                                                    : (R + 1) * RowReader<T, Acc, B>::kSplit);
 
 /// out[r][k] = q[r] . keys[k] for R query rows and K = W / R keys (W = kVector<Acc>): R x K = W
 /// accumulators, summed together by transpose_sum, so each key row read (and widened) serves R
 /// rows. q is in lane_of order; out[r] gets K values. Dim is dim when known at compile time
 /// (a multiple of a read), else 0.
-template <std::size_t R, std::size_t Dim = 0, class T, class Acc>
-KVCACHE_ALWAYS_INLINE inline void score_keys(const Acc* const (&q)[R], const T* const (&keys)[kVector<Acc> / R],
+template <std::size_t R, std::size_t Dim = 0, std::size_t B = kVectorBytes, class T, class Acc>
+KVCACHE_ALWAYS_INLINE inline void score_keys(const Acc* const (&q)[R], const T* const (&keys)[kVector<Acc, B> / R],
                                              std::size_t dim, Acc* const (&out)[R]) noexcept {
-  using V = Vector<Acc>;
-  using Reader = RowReader<T, Acc>;
-  constexpr std::size_t W = kVector<Acc>;
+  using V = Vector<Acc, B>;
+  using Reader = RowReader<T, Acc, B>;
+  constexpr std::size_t W = kVector<Acc, B>;
   constexpr std::size_t S = Reader::kSplit;
   constexpr std::size_t K = W / R;
   static_assert(K * R == W, "score_keys: R must divide the lanes.");
@@ -449,7 +462,7 @@ KVCACHE_ALWAYS_INLINE inline void score_keys(const Acc* const (&q)[R], const T* 
   V acc[W];  // row r, key k at r * K + k
   unroll<W>([&](auto i) { acc[i] = V{}; });
   for_each_step<Dim, S * W>(dim, [&](auto d) KVCACHE_ALWAYS_INLINE {
-    if constexpr (kHoldsKeys<R, T, Acc>) {
+    if constexpr (kHoldsKeys<R, T, Acc, B>) {
       V kv[K][S];
       unroll<K>([&](auto k) { Reader::load(keys[k] + d, kv[k]); });
       unroll<S>([&](auto s) {
@@ -602,7 +615,8 @@ inline void accumulate_pairs_in_l1(float* const (&acc)[R], const std::uint16_t* 
 /// plain read instead of 0.81-0.83, and the kernel at H_q = 32 float 0.77 -> 0.80 (one core) and
 /// 0.80 -> 0.87 (two; medians of four interleaved pairs of runs, other cells -0.03 to +0.05;
 /// 2-core AMD EPYC). AVX-512 asks as it was tuned: a row at a time.
-inline constexpr bool kFetchLines = kVectorBytes == 32;
+template <std::size_t B = kVectorBytes>
+inline constexpr bool kFetchLines = B == 32;
 
 /// out[r][j] = q[r] . rows[j] for R query rows and `count` rows `stride` apart, read one whole
 /// row after another, so that every load moves by one row stride from key to key. The queries
@@ -613,12 +627,13 @@ inline constexpr bool kFetchLines = kVectorBytes == 32;
 /// stay a vector per query row, lanes not yet summed, until W keys are done and transpose_sum
 /// adds them up. fetch(j) is called as row j is read, or where kFetchLines, fetch.line(j, offset)
 /// as each of its 64-byte lines is.
-template <std::size_t R, std::size_t Dim, bool PerUse = false, class T, class Acc, class Fetch>
+template <std::size_t R, std::size_t Dim, bool PerUse = false, std::size_t B = kVectorBytes, class T, class Acc,
+          class Fetch>
 inline void score_in_order(const Acc* const (&q)[R], const T* rows, std::size_t stride, std::size_t count,
                            Acc* const (&out)[R], const Fetch& fetch) noexcept {
-  using V = Vector<Acc>;
-  using Reader = RowReader<T, Acc>;
-  constexpr std::size_t W = kVector<Acc>;
+  using V = Vector<Acc, B>;
+  using Reader = RowReader<T, Acc, B>;
+  constexpr std::size_t W = kVector<Acc, B>;
   constexpr std::size_t S = Reader::kSplit;
   static_assert(Dim % (S * W) == 0 && Dim > 0, "score_in_order: Dim must be a whole number of reads.");
   V query[R][Dim / W];
@@ -628,12 +643,12 @@ inline void score_in_order(const Acc* const (&q)[R], const T* rows, std::size_t 
     V products[R][W];
     for (std::size_t k = 0; k < n; ++k) {
       const T* row = rows + (first + k) * stride;
-      if constexpr (!kFetchLines) fetch(first + k);
+      if constexpr (!kFetchLines<B>) fetch(first + k);
       V chains[R][2] = {};  // two chains of multiply-adds per query row, so each waits on half as many
       for_each_step<Dim, S * W>(Dim, [&](auto d) KVCACHE_ALWAYS_INLINE {
-        if constexpr (kFetchLines && d * sizeof(T) % 64 == 0) fetch.line(first + k, d * sizeof(T));
+        if constexpr (kFetchLines<B> && d * sizeof(T) % 64 == 0) fetch.line(first + k, d * sizeof(T));
         V x[S];
-        read_row<PerUse, T, Acc>(row + d, x);
+        read_row<PerUse, B, T, Acc>(row + d, x);
         unroll<S>([&](auto s) KVCACHE_ALWAYS_INLINE {
           const V v = in_register(x[s]);
           unroll<R>([&](auto r) { chains[r][(d / W + s) % 2] += query[r][d / W + s] * v; });
@@ -660,12 +675,13 @@ inline void score_in_order(const Acc* const (&q)[R], const T* rows, std::size_t 
 /// acc[r][d, d + C W) += sum_j w[r][j] * rows[j][d, d + C W) for R query rows: each stored row
 /// is read and widened once for all R, into R x C accumulators held in registers. fetch(j) is
 /// called as row j is read by the block at d = 0, the one that takes the rows from memory.
-template <std::size_t R, std::size_t C, bool PerUse = false, class T, class Acc, class Fetch>
+template <std::size_t R, std::size_t C, bool PerUse = false, std::size_t B = kVectorBytes, class T, class Acc,
+          class Fetch>
 inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows, std::size_t stride,
                              std::size_t count, std::size_t d, const Fetch& fetch) noexcept {
-  using V = Vector<Acc>;
-  using Reader = RowReader<T, Acc>;
-  constexpr std::size_t W = kVector<Acc>;
+  using V = Vector<Acc, B>;
+  using Reader = RowReader<T, Acc, B>;
+  constexpr std::size_t W = kVector<Acc, B>;
   constexpr std::size_t S = Reader::kSplit;
   static_assert(C % S == 0, "accumulate_block: C must be a whole number of reads.");
   V a[R][C];
@@ -674,10 +690,10 @@ inline void accumulate_block(Acc* const (&acc)[R], const Acc* const (&w)[R], con
     const T* row = rows + j * stride + d;
     if (d == 0) fetch(j);
     V p[R];
-    unroll<R>([&](auto r) { p[r] = splat(w[r][j]); });
+    unroll<R>([&](auto r) { p[r] = splat<B>(w[r][j]); });
     unroll<C / S>([&](auto c) {
       V x[S];
-      read_row<PerUse, T, Acc>(row + c * S * W, x);
+      read_row<PerUse, B, T, Acc>(row + c * S * W, x);
       unroll<S>([&](auto s) {
         const V v = in_register(x[s]);
         unroll<R>([&](auto r) { a[r][c * S + s] += p[r] * v; });
@@ -717,15 +733,16 @@ inline constexpr bool kTwoKeysWithHeldRows = true;
 /// read, so that lines are asked for at the pace they are used: asking for whole rows as each
 /// row began, four float rows read 0.62-0.65 of the plain read, four bf16 rows two keys a step
 /// 0.58-0.62, against 0.76-0.78 and 0.74-0.77 a line at a time (one long stream, three runs).
-template <std::size_t R, std::size_t Dim, std::size_t Held, class T, class Acc, class Fetch>
+template <std::size_t R, std::size_t Dim, std::size_t Held, std::size_t B = kVectorBytes, class T, class Acc,
+          class Fetch>
 inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows,
                                         std::size_t stride, std::size_t count, const Fetch& given_fetch) noexcept {
   // A copy of its own, whose fields the registers keep, as accumulate_pairs_in_l1's: in cache,
   // medians of ten, four float rows 15.0 -> 13.9 and 15.2 -> 14.1 ns a key, bf16 -2%, half -1%.
   const Fetch fetch = given_fetch;
-  using V = Vector<Acc>;
-  using Reader = RowReader<T, Acc>;
-  constexpr std::size_t W = kVector<Acc>;
+  using V = Vector<Acc, B>;
+  using Reader = RowReader<T, Acc, B>;
+  constexpr std::size_t W = kVector<Acc, B>;
   constexpr std::size_t S = Reader::kSplit;
   constexpr std::size_t kRead = S * W;  // values a read takes
   constexpr std::size_t P = sizeof(T) < sizeof(Acc) && (Held == 0 || kTwoKeysWithHeldRows) ? 2 : 1;  // keys a step
@@ -753,7 +770,7 @@ inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (
   const auto step = [&]<std::size_t K>(std::integral_constant<std::size_t, K>, std::size_t first,
                                        bool fetching) KVCACHE_ALWAYS_INLINE {
     V p[R][K];
-    unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { unroll<K>([&](auto k) { p[r][k] = splat(w[r][first + k]); }); });
+    unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { unroll<K>([&](auto k) { p[r][k] = splat<B>(w[r][first + k]); }); });
     unroll<Dim / kRead>([&](auto c) KVCACHE_ALWAYS_INLINE {
       V x[K][S];
       unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE {
@@ -775,14 +792,15 @@ inline void accumulate_whole_rows_in_l1(Acc* const (&acc)[R], const Acc* const (
 /// acc[r][d, dim) += sum_j w[r][j] * rows[j][d, dim) for R query rows (accumulators in lane_of
 /// order): blocks of C registers per row while they fit, then half as many, down to one read,
 /// then scalars for the tail. fetch(j) is called as in accumulate_block.
-template <std::size_t R, std::size_t C, bool PerUse = false, class T, class Acc, class Fetch>
+template <std::size_t R, std::size_t C, bool PerUse = false, std::size_t B = kVectorBytes, class T, class Acc,
+          class Fetch>
 inline void accumulate_rows(Acc* const (&acc)[R], const Acc* const (&w)[R], const T* rows, std::size_t stride,
                             std::size_t count, std::size_t dim, const Fetch& fetch, std::size_t d = 0) noexcept {
-  constexpr std::size_t W = kVector<Acc>;
-  constexpr std::size_t S = RowReader<T, Acc>::kSplit;
-  for (; d + C * W <= dim; d += C * W) accumulate_block<R, C, PerUse>(acc, w, rows, stride, count, d, fetch);
+  constexpr std::size_t W = kVector<Acc, B>;
+  constexpr std::size_t S = RowReader<T, Acc, B>::kSplit;
+  for (; d + C * W <= dim; d += C * W) accumulate_block<R, C, PerUse, B>(acc, w, rows, stride, count, d, fetch);
   if constexpr (C > S) {
-    accumulate_rows<R, C / 2, PerUse>(acc, w, rows, stride, count, dim, fetch, d);
+    accumulate_rows<R, C / 2, PerUse, B>(acc, w, rows, stride, count, dim, fetch, d);
   } else {
     for (std::size_t r = 0; r < R; ++r) {
       for (std::size_t i = d; i < dim; ++i) {
@@ -799,9 +817,9 @@ inline void accumulate_rows(Acc* const (&acc)[R], const Acc* const (&w)[R], cons
 /// its operands read from memory: read in two halves, the second from cache, one float query row
 /// per kv head read 0.43-0.52 of the plain read from memory, a whole row 0.82-0.91 (2-core AMD
 /// EPYC, with the K rows read in order too, see score_fixed).
-template <std::size_t R, class T, class Acc>
+template <std::size_t R, class T, class Acc, std::size_t B = kVectorBytes>
 inline constexpr std::size_t kBlockRegisters = std::max<std::size_t>(
-    std::bit_floor((R == 1 && kVectorBytes == 32 ? kRegisters : kAccumulators) / R), RowReader<T, Acc>::kSplit);
+    std::bit_floor((R == 1 && B == 32 ? kRegisters : kAccumulators) / R), RowReader<T, Acc, B>::kSplit);
 
 /// v with the two halves of every block of 2H lanes swapped.
 template <std::size_t H, class V, std::size_t... L>
@@ -868,14 +886,12 @@ inline Acc sum_of(const Acc* x, std::size_t n) noexcept {
 /// The unsigned integers of the same size as F (a float, or a register of floats).
 template <class F>
 struct BitsOf {
+  using type = Vector<std::uint32_t, sizeof(F)>;
+};
+template <>
+struct BitsOf<float> {
   using type = std::uint32_t;
 };
-#if KVCACHE_VECTOR_EXTENSIONS
-template <>
-struct BitsOf<Vector<float>> {
-  using type = Vector<std::uint32_t>;
-};
-#endif
 
 /// e^x for x <= 0, with e^x = 0 below -87 (and for -inf, a masked score), on a float or lane by
 /// lane on a register of floats. Within 1 ulp; no call or float-to-int conversion. The scalar
@@ -918,7 +934,10 @@ inline double exp_nonpositive(double x) noexcept { return x == -HUGE_VAL ? 0.0 :
 
 #if KVCACHE_VECTOR_EXTENSIONS && !defined(__FAST_MATH__)
 #define KVCACHE_VECTOR_EXP 1
-inline Vector<float> exp_nonpositive(const Vector<float>& x) noexcept { return exp_nonpositive_steps(x); }
+/// Lane by lane, on a register of floats of any width.
+template <class V>
+requires std::is_same_v<V, Vector<float, sizeof(V)>>
+inline V exp_nonpositive(const V& x) noexcept { return exp_nonpositive_steps(x); }
 #else
 #define KVCACHE_VECTOR_EXP 0
 #endif
