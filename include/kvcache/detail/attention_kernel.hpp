@@ -106,6 +106,8 @@ struct AttentionItem {
   std::size_t partial = 0;  // where a split item leaves its running state (unused when unsplit)
 };
 
+/// Stored rows T, queries and outputs Q, accumulated in Acc, in vectors of B bytes (the build's
+/// width, or 32 under AVX-512 where narrow_vectors_pay).
 template <class T, class Q, class Acc, std::size_t B = kVectorBytes>
 class AttentionKernel {
  public:
