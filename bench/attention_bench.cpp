@@ -55,7 +55,6 @@
 #include <type_traits>
 #include <vector>
 
-
 #include "kvcache/kvcache.hpp"
 
 namespace {
@@ -75,8 +74,8 @@ bool wrong_output = false;
 /// at least 64 MiB, so that what is timed finds none of its bytes there (1 MiB for the smoke run).
 const std::vector<std::pair<const float*, std::size_t>>& elsewhere() {
   static const kvcache::detail::AlignedBuffer<float> buffer = [] {  // zeroed, so every page is touched
-    const std::size_t bytes = smoke_mode() ? std::size_t{1} << 20
-                                           : std::max<std::size_t>(std::size_t{64} << 20, kvcache::bench::l3_bytes());
+    const std::size_t bytes =
+        smoke_mode() ? std::size_t{1} << 20 : std::max<std::size_t>(std::size_t{64} << 20, kvcache::bench::l3_bytes());
     return kvcache::detail::AlignedBuffer<float>(bytes / sizeof(float));
   }();
   static const std::vector<std::pair<const float*, std::size_t>> buffers{{buffer.data(), buffer.size()}};

@@ -28,7 +28,6 @@
 #include <utility>
 #include <vector>
 
-
 #include "kvcache/detail/aligned_buffer.hpp"
 
 namespace {
