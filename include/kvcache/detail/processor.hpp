@@ -65,8 +65,8 @@ namespace kvcache::detail {
 /// and 32,768 (bench/ab, the two widths timed in turn): two query rows a kv head, every type,
 /// 0.71-0.81 -> 0.84-0.90 of the plain read, two cores 0.85-0.91 -> 0.97-1.02; float at one and
 /// four rows 0.75-0.79 -> 0.79-0.90; but 16-bit rows at four rows 0.74-0.82 -> 0.69-0.74, and at
-/// one row (plain_one_row_passes) within 0.03. The loads of the narrow passes are the fast form
-/// there (bench/read_forms_bench). The AVX-512 AMD EPYC the kernel was tuned on keeps 64 bytes.
+/// one row (plain_one_row_passes) within 0.03. One core there reads faster with 32-byte loads
+/// than with 64-byte ones (bench/read_forms_bench). The AVX-512 AMD EPYC keeps 64 bytes.
 [[nodiscard]] inline bool narrow_vectors_pay(std::size_t rows, bool sixteen_bit) noexcept {
   static const bool intel = cpu_is_intel();
   return intel && (sixteen_bit ? rows == 2 : rows <= 4);
