@@ -19,6 +19,7 @@
 //
 //   bench/ab/run.sh cdadbfa HEAD -- --benchmark_filter='<bfloat16>/H_q:32'
 //   bench/ab/run.sh cdadbfa HEAD -- --benchmark_filter=InCache
+//   KVCACHE_AB_S=512,4096 bench/ab/run.sh cdadbfa HEAD -- --benchmark_filter=DecodeAB   # other lengths
 
 #include <benchmark/benchmark.h>
 
@@ -27,6 +28,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <numeric>
 #include <string>
@@ -186,13 +188,34 @@ void BM_ShortAB(benchmark::State& state) {
             true, StoredQueries);
 }
 
+/// The history lengths of the DecodeAB rows: KVCACHE_AB_S (a comma-separated list) where set,
+/// else 16,384 and 32,768 (512 in the smoke run).
+std::vector<long> decode_lengths() {
+  if (kvcache::bench::smoke_mode()) return {512};
+  const char* given = std::getenv("KVCACHE_AB_S");
+  if (given == nullptr || *given == '\0') return {16384, 32768};
+  std::vector<long> lengths;
+  for (const char* p = given; *p != '\0';) {
+    char* end = nullptr;
+    const long length = std::strtol(p, &end, 10);
+    if (end == p || length <= 0) {
+      std::fprintf(stderr, "KVCACHE_AB_S: expected positive lengths separated by commas, given \"%s\"\n", given);
+      std::exit(2);
+    }
+    lengths.push_back(length);
+    p = *end == ',' ? end + 1 : end;
+  }
+  return lengths;
+}
+
 void register_all() {
   const bool smoke = kvcache::bench::smoke_mode();
+  const std::vector<long> lengths = decode_lengths();
   const auto each = [&](auto* bench, const char* name) {
     auto* b = benchmark::RegisterBenchmark(name, bench)->ArgNames({"H_q", "S", "threads"})->UseManualTime();
     b->Iterations(smoke ? 2 : 15);
     for (const long threads : {1L, 2L}) {
-      for (const long tokens : smoke ? std::vector<long>{512} : std::vector<long>{16384, 32768}) {
+      for (const long tokens : lengths) {
         for (const long q_heads : {8L, 16L, 32L}) b->Args({q_heads, tokens, threads});
       }
     }
