@@ -1007,10 +1007,12 @@ TEST(AttentionMath, PairSumsAreExactWeightedSumsInRegisterOrder) {
 // The forms of the kernel a processor may choose between, each run here whatever this processor
 // is: one query row per kv head read as plain streams (no row asked for ahead, weights made
 // before the pass over V, bfloat16 lines loaded by each operation that uses them) or as the
-// other processors read it (detail::plain_one_row_passes), and vectors of the build's width or,
-// where that is 64 bytes, of 32 (detail::narrow_vectors_pay). For every 16-bit type and float, one, two and four query
-// rows per kv head, D = 128 and one with a tail (72), over keys that span several tiles, one and
-// three threads, decode and a chunk of three.
+// other processors read it (detail::plain_one_row_passes); four 16-bit query rows scoring the K
+// rows they read from memory in order or W / 4 keys at a time (detail::four_rows_in_order_pay);
+// and vectors of the build's width or, where that is 64 bytes, of 32 (detail::narrow_vectors_pay).
+// For every 16-bit type and float, one, two, four and eight query rows per kv head (at eight, the
+// first four read the tile from memory, the other four from cache), D = 128 and one with a tail
+// (72), over keys that span several tiles, one and three threads, decode and a chunk of three.
 template <class T, std::size_t B>
 void expect_kernel_form_matches_the_reference(std::size_t group, std::size_t dim) {
   const std::size_t kv_heads = 2, keys = 4500;
@@ -1024,19 +1026,19 @@ void expect_kernel_form_matches_the_reference(std::size_t group, std::size_t dim
     const Block<float> q({1, kv_heads * group, chunk, dim}, 73);
     const std::vector<std::int64_t> q_positions = arange(keys - chunk, chunk);
     const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), scale, {});
-    for (const bool plain : {false, true}) {
+    for (const bool chosen : {false, true}) {  // each form a processor may choose, taken or not
       for (const std::size_t threads : {std::size_t{1}, std::size_t{3}}) {
         std::vector<float> out(q.data.size());
         const detail::AttentionKernel<T, float, float, B> kernel(
             q.view(), q_positions, history, TensorView<float>(out.data(), q.shape), detail::VisibilityRule(0, 0, 0, 0),
-            scale, detail::pair_products_pay(), plain);
+            scale, detail::pair_products_pay(), chosen, chosen);
         detail::run_attention(kernel, 1, kv_heads, chunk, threads);
         std::size_t bad = out.size();
         for (std::size_t i = 0; i < out.size() && bad == out.size(); ++i) {
           if (!(std::abs(static_cast<double>(out[i]) - want.data[i]) <= Tolerance<T>::value)) bad = i;
         }
         EXPECT_EQ(bad, out.size()) << B << "-byte vectors, G " << group << ", D " << dim << ", chunk " << chunk
-                                   << ", plain " << plain << ", threads " << threads << ": value " << bad;
+                                   << ", forms chosen " << chosen << ", threads " << threads << ": value " << bad;
       }
     }
   }
@@ -1044,7 +1046,7 @@ void expect_kernel_form_matches_the_reference(std::size_t group, std::size_t dim
 
 template <class T>
 void expect_every_kernel_form_matches_the_reference() {
-  for (const std::size_t group : {std::size_t{1}, std::size_t{2}, std::size_t{4}}) {
+  for (const std::size_t group : {std::size_t{1}, std::size_t{2}, std::size_t{4}, std::size_t{8}}) {
     for (const std::size_t dim : {std::size_t{128}, std::size_t{72}}) {
       expect_kernel_form_matches_the_reference<T, detail::kVectorBytes>(group, dim);
       if constexpr (detail::kVectorBytes == 64) expect_kernel_form_matches_the_reference<T, 32>(group, dim);

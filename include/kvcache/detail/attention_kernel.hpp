@@ -127,7 +127,7 @@ class AttentionKernel {
 
   AttentionKernel(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
                   TensorView<Q> out, const VisibilityRule& rule, Acc scale, bool pair_products = pair_products_pay(),
-                  bool plain_one_row = plain_one_row_passes())
+                  bool plain_one_row = plain_one_row_passes(), bool four_rows_in_order = four_rows_in_order_pay())
       : q_(q),
         q_positions_(q_positions),
         segments_(history.segments),
@@ -142,7 +142,8 @@ class AttentionKernel {
             std::clamp<std::size_t>(kTileBytes / (std::max<std::size_t>(dim_, 1) * sizeof(Stored)), kW, kMaxTileKeys) /
             kW * kW),
         pairs_(kScoresPairs && pair_products),
-        plain_one_row_(plain_one_row) {
+        plain_one_row_(plain_one_row),
+        four_rows_in_order_(four_rows_in_order && block_queries_ == 1) {
     offsets_.reserve(segments_.size() + 1);
     offsets_.push_back(0);
     for (const Segment<T>& s : segments_) offsets_.push_back(offsets_.back() + s.tokens());
@@ -402,8 +403,9 @@ class AttentionKernel {
     const FetchPolicy& policy = fetch_policy();
     const bool one_row_asks = sixteen_bit && policy.one_row && !plain_one_row_;
     const bool fetch_keys = w.readers.size() >= 2 || one_row_asks;
+    const bool keys_by_groups = w.readers.size() >= 2 && !first_group_scores_in_order(w.readers.size());
     with_rows(segment.keys, item, first, count, fetch_keys ? count + ahead : 0,
-              w.readers.size() >= 2 ? policy.shared_keys : policy.rows, w.keys,
+              keys_by_groups ? policy.keys_by_groups : policy.rows, w.keys,
               [&](const Stored* keys, std::size_t stride, const RowFetcher& fetch) {
                 // Four rows at a time where 32 registers hold their queries, then two, then one:
                 // each K row read (and widened) serves them all.
@@ -643,21 +645,61 @@ class AttentionKernel {
     for (; i < n; ++i) f(One{}, i);
   }
 
+  /// f(std::integral_constant<std::size_t, Dim>{}) with Dim = dim_ for the common head sizes,
+  /// whose loops over a row are unrolled at compile time, else with Dim = 0.
+  template <class F>
+  decltype(auto) with_head_size(const F& f) const {
+    switch (dim_) {
+      case 64:
+        return f(std::integral_constant<std::size_t, 64>{});
+      case 128:
+        return f(std::integral_constant<std::size_t, 128>{});
+      case 256:
+        return f(std::integral_constant<std::size_t, 256>{});
+      default:
+        return f(std::integral_constant<std::size_t, 0>{});
+    }
+  }
+
   /// Scores the tile's keys for readers [i, i + R). For the common head sizes the loop over a
   /// row is unrolled at compile time (score_fixed); any other size takes the loop of score_rows.
   template <std::size_t R>
   void score(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
              const RowFetcher& fetch) const noexcept {
-    switch (dim_) {
-      case 64:
-        return score_fixed<R, 64>(w, i, keys, stride, count, fetch);
-      case 128:
-        return score_fixed<R, 128>(w, i, keys, stride, count, fetch);
-      case 256:
-        return score_fixed<R, 256>(w, i, keys, stride, count, fetch);
-      default:
-        return score_rows<R, 0>(w, i, keys, stride, count, fetch);
-    }
+    with_head_size([&](auto dim) KVCACHE_ALWAYS_INLINE {
+      if constexpr (dim == 0) {
+        score_rows<R, 0>(w, i, keys, stride, count, fetch);
+      } else {
+        score_fixed<R, dim>(w, i, keys, stride, count, fetch);
+      }
+    });
+  }
+
+  // Whether score<R> reads the tile's K rows in order (score_in_order) at a head size Dim known at
+  // compile time (0: not known): always, or (kMayReadInOrder) for four 16-bit rows where
+  // four_rows_in_order_, in the group that reads the tile from memory (scores_in_order).
+  template <std::size_t Dim>
+  static constexpr bool kWholeReads = Dim != 0 && Dim % (RowReader<Stored, Acc, B>::kSplit * kW) == 0;
+  template <std::size_t R, std::size_t Dim>
+  static constexpr bool kAlwaysInOrder = kWholeReads<Dim> && (B == 32 || (R == 1 && Dim / kW <= kAccumulators));
+  template <std::size_t R, std::size_t Dim>
+  static constexpr bool kMayReadInOrder = kAlwaysInOrder<R, Dim> ||
+                                          (kWholeReads<Dim> && R == 4 && sizeof(Stored) < sizeof(Acc));
+
+  /// Whether score<R> reads the tile's K rows in order for readers [i, i + R).
+  template <std::size_t R, std::size_t Dim>
+  [[nodiscard]] bool scores_in_order(std::size_t i) const noexcept {
+    return kAlwaysInOrder<R, Dim> || (kMayReadInOrder<R, Dim> && four_rows_in_order_ && i == 0);
+  }
+
+  /// Whether the first score() group of `readers` rows, the one that reads the tile from memory,
+  /// reads the K rows in order.
+  [[nodiscard]] bool first_group_scores_in_order(std::size_t readers) const noexcept {
+    return with_head_size([&](auto dim) {
+      if (kScoresFour && readers >= 4) return scores_in_order<4, dim>(0);
+      if (kW % 2 == 0 && readers >= 2) return scores_in_order<2, dim>(0);
+      return scores_in_order<1, dim>(0);
+    });
   }
 
   // Clang 14 as well, now that the steps' lambdas are forced inline (float at two query rows per
@@ -676,7 +718,8 @@ class AttentionKernel {
   /// the query rows at every step, 0.60-0.66), and in the kernel float at two query rows per kv
   /// head, two cores, 0.71-0.76 -> 0.80-0.87 (2-core AMD EPYC). Under AVX-512, where two rows
   /// in order ran no faster in float and slower in bf16, and four, whose queries did not fit in
-  /// registers, slower, more rows read kVector / R keys at a time. Their loop over a row is
+  /// registers, slower, more rows read kVector / R keys at a time (but for four 16-bit rows at
+  /// decode on the Intel Xeon: four_rows_in_order_pay). Their loop over a row is
   /// unrolled where a call reads at most kMaxFixedKeys rows (the loads of more unrolled rows are
   /// more than the hardware prefetcher tracks) and a row is at most 16 reads (past that, at
   /// narrow vector widths, unrolling gained nothing, only code to compile). Measured on an
@@ -685,24 +728,32 @@ class AttentionKernel {
   void score_fixed(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
                    const RowFetcher& fetch) const noexcept {
     constexpr std::size_t kRead = RowReader<Stored, Acc, B>::kSplit * kW;
-    if constexpr (Dim % kRead == 0 && ((R == 1 && Dim / kW <= (B == 32 ? kRegisters : kAccumulators)) || B == 32)) {
-      const Acc* q[R];
-      Acc* out[R];
-      for (std::size_t r = 0; r < R; ++r) {
-        q[r] = w.queries.data() + w.readers[i + r] * dim_;
-        out[r] = w.scores.get() + w.readers[i + r] * tile_;
-      }
-      if constexpr (R == 1 && std::is_same_v<Stored, Eigen::bfloat16>) {
-        if (plain_one_row_ && w.readers.size() == 1) {
-          return score_in_order<R, Dim, true, B>(q, keys, stride, count, out, fetch);
-        }
-      }
-      score_in_order<R, Dim, false, B>(q, keys, stride, count, out, fetch);
-    } else if constexpr (kW / R <= kMaxFixedKeys && Dim % kRead == 0 && Dim / kRead <= 16) {
+    if constexpr (kMayReadInOrder<R, Dim>) {
+      if (scores_in_order<R, Dim>(i)) return score_fixed_in_order<R, Dim>(w, i, keys, stride, count, fetch);
+    }
+    if constexpr (kW / R <= kMaxFixedKeys && Dim % kRead == 0 && Dim / kRead <= 16) {
       score_rows<R, Dim>(w, i, keys, stride, count, fetch);
     } else {
       score_rows<R, 0>(w, i, keys, stride, count, fetch);
     }
+  }
+
+  /// score_fixed for rows read in order.
+  template <std::size_t R, std::size_t Dim>
+  void score_fixed_in_order(Workspace& w, std::size_t i, const Stored* keys, std::size_t stride, std::size_t count,
+                            const RowFetcher& fetch) const noexcept {
+    const Acc* q[R];
+    Acc* out[R];
+    for (std::size_t r = 0; r < R; ++r) {
+      q[r] = w.queries.data() + w.readers[i + r] * dim_;
+      out[r] = w.scores.get() + w.readers[i + r] * tile_;
+    }
+    if constexpr (R == 1 && std::is_same_v<Stored, Eigen::bfloat16>) {
+      if (plain_one_row_ && w.readers.size() == 1) {
+        return score_in_order<R, Dim, true, B>(q, keys, stride, count, out, fetch);
+      }
+    }
+    score_in_order<R, Dim, false, B>(q, keys, stride, count, out, fetch);
   }
 
   /// score() for a head size known at compile time (Dim), or not (0): kW / R keys at a time, by
@@ -842,8 +893,11 @@ class AttentionKernel {
   std::size_t block_queries_;
   std::size_t rows_;
   std::size_t tile_;
-  bool pairs_;                        // kScoresPairs and kWeighsPairs, where pair_products_pay()
-  bool plain_one_row_;                // one query row's passes as plain streams (plain_one_row_passes)
+  bool pairs_;          // kScoresPairs and kWeighsPairs, where pair_products_pay()
+  bool plain_one_row_;  // one query row's passes as plain streams (plain_one_row_passes)
+  // Four 16-bit query rows score the K rows they read from memory in order (four_rows_in_order_pay):
+  // where a block holds one query (decode), each tile is read once a call.
+  bool four_rows_in_order_;
   std::vector<std::size_t> offsets_;  // segment s holds keys [offsets_[s], offsets_[s + 1])
   // Whether segment s's positions ascend (every cache's do; a hand-built history's need not),
   // where a call needs to know: found once a call, not once a tile of every block.

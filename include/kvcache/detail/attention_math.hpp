@@ -609,14 +609,16 @@ inline void accumulate_pairs_in_l1(float* const (&acc)[R], const std::uint16_t* 
 #define KVCACHE_BF16_PAIRS 0
 #endif
 
-/// Whether the passes that read whole rows in order ask for each 64-byte line ahead as they read
-/// it rather than for a whole row as it begins: under AVX2, where asking for lines at the pace
-/// they are used, the K pass of four float query rows over one long stream read 0.86-0.89 of the
-/// plain read instead of 0.81-0.83, and the kernel at H_q = 32 float 0.77 -> 0.80 (one core) and
-/// 0.80 -> 0.87 (two; medians of four interleaved pairs of runs, other cells -0.03 to +0.05;
-/// 2-core AMD EPYC). AVX-512 asks as it was tuned: a row at a time.
-template <std::size_t B = kVectorBytes>
-inline constexpr bool kFetchLines = B == 32;
+/// Whether the passes that read whole rows in order for R query rows ask for each 64-byte line
+/// ahead as they read it rather than for a whole row as it begins: under AVX2, where asking for
+/// lines at the pace they are used, the K pass of four float query rows over one long stream read
+/// 0.86-0.89 of the plain read instead of 0.81-0.83, and the kernel at H_q = 32 float 0.77 -> 0.80
+/// (one core) and 0.80 -> 0.87 (two; medians of four interleaved pairs of runs, other cells -0.03
+/// to +0.05; 2-core AMD EPYC). At 64 bytes, four 16-bit rows read in order (Intel Xeon, see
+/// four_rows_in_order_pay) ask a line at a time too (+0.00 to +0.02 against a row at a time, one
+/// run of bench/ab); one row asks as it was tuned, a row at a time (AVX-512 AMD EPYC).
+template <std::size_t R, std::size_t B = kVectorBytes>
+inline constexpr bool kFetchLines = B == 32 || R > 1;
 
 /// out[r][j] = q[r] . rows[j] for R query rows and `count` rows `stride` apart, read one whole
 /// row after another, so that every load moves by one row stride from key to key. The queries
@@ -643,10 +645,10 @@ inline void score_in_order(const Acc* const (&q)[R], const T* rows, std::size_t 
     V products[R][W];
     for (std::size_t k = 0; k < n; ++k) {
       const T* row = rows + (first + k) * stride;
-      if constexpr (!kFetchLines<B>) fetch(first + k);
+      if constexpr (!kFetchLines<R, B>) fetch(first + k);
       V chains[R][2] = {};  // two chains of multiply-adds per query row, so each waits on half as many
       for_each_step<Dim, S * W>(Dim, [&](auto d) KVCACHE_ALWAYS_INLINE {
-        if constexpr (kFetchLines<B> && d * sizeof(T) % 64 == 0) fetch.line(first + k, d * sizeof(T));
+        if constexpr (kFetchLines<R, B> && d * sizeof(T) % 64 == 0) fetch.line(first + k, d * sizeof(T));
         V x[S];
         read_row<PerUse, B, T, Acc>(row + d, x);
         unroll<S>([&](auto s) KVCACHE_ALWAYS_INLINE {

@@ -59,6 +59,22 @@ namespace kvcache::detail {
   return plain;
 }
 
+/// Whether four query rows over 16-bit K rows, at 64-byte vectors, score the K rows they read from
+/// memory in order, one whole row after another (score_in_order, their queries read from L1 where
+/// the registers do not hold them all), rather than kVector / 4 keys at a time (score_keys). On
+/// the Intel Xeon of pair_products_pay, over 64 MiB of bf16 K rows, one core: 0.63-0.66 of the
+/// plain read four keys at a time, 0.72-0.78 in order, 0.83-0.85 in order with the rows asked for
+/// as the V pass asks (FetchPolicy::rows, a line at a time; the V pass itself read 0.97-1.00). In
+/// the kernel, bf16 and half at H_q = 32 (decode, four query rows per kv head), S = 16,384 and
+/// 32,768: one core 0.75-0.77 -> 0.85-0.89 of the plain read, two cores 0.82-0.86 -> 0.93-1.00;
+/// S = 512 and 4,096, one core 0.70-0.74 -> 0.75-0.87 (bench/ab, one run each). With the tile in
+/// cache they took 2-6% longer a key, so only decode takes them (see four_rows_in_order_). On the
+/// AVX-512 AMD EPYC the kernel was tuned on, four rows in order ran slower (score_fixed).
+[[nodiscard]] inline bool four_rows_in_order_pay() noexcept {
+  static const bool pay = cpu_is_intel();
+  return pay;
+}
+
 /// Whether a kernel built for AVX-512 reads its K and V rows from memory faster in 32-byte vectors
 /// (all 32 registers of them) than in 64-byte ones, for blocks of `rows` query rows a kv head
 /// over `sixteen_bit` or float rows. On the Intel Xeon of pair_products_pay, one core, S = 16,384

@@ -24,7 +24,7 @@ struct FetchPolicy {
   bool float_values = false;  // ask for float V rows too, not only 16-bit ones
   bool one_row = false;       // ask for 16-bit rows that only one query row reads too
   // (Where plain_one_row_passes, 16-bit rows that one query row reads alone are never asked for.)
-  FetchDistance shared_keys{};  // the pass over K rows that two or more query rows read
+  FetchDistance keys_by_groups{};  // the pass over K rows that reads them W / R keys at a time (score_keys)
 };
 
 /// The policy for this processor, found once. Default (tuned on an AVX-512 AMD EPYC): 8 KiB
@@ -36,14 +36,18 @@ struct FetchPolicy {
 /// 16-bit rows that one query row reads, as when it was measured), read
 /// 0.04-0.13 closer to the plain read of the same bytes at every H_q, S >= 16,384, one and two
 /// cores (float H_q = 32, one core: 0.78-0.81 -> 0.84-0.90); 32 or 64 KiB, or L2 far and L1
-/// 2 KiB ahead, no better. There the pass over K rows that two or more query rows read (four or
-/// eight keys at a time, in turn) took longer with them asked for 16 KiB ahead than with none
-/// (bf16 at H_q = 32, one core: 27 -> 20 ns a key from memory), though from the L3 asking paid;
-/// asked for 1 KiB ahead into L1, the hardware prefetcher brings them from memory and the
-/// request only from L2: 0.63-0.89 -> 0.72-0.98 of the plain read at H_q = 16 and 32, S >= 16,384, one and
-/// two cores (median +0.09, 29 of 32 cells higher; against 1 KiB, 2 KiB into L2 -0.01, 2 KiB
-/// into L1 -0.02, 4 KiB into L1 -0.05; none at all as good from memory, but 0.1-0.2 lower at two
-/// cores, S = 16,384, 16-bit, where part of the history was in the L3).
+/// 2 KiB ahead, no better. There the pass over K rows that reads W / R keys at a time, in turn
+/// (keys_by_groups), took longer with them asked for 16 KiB ahead than with none (bf16 at H_q =
+/// 32, one core: 27 -> 20 ns a key from memory), though from the L3 asking paid; asked for 1 KiB
+/// ahead into L1, the hardware prefetcher brings them from memory and the request only from L2:
+/// 0.63-0.89 -> 0.72-0.98 of the plain read at H_q = 16 and 32, S >= 16,384, one and two cores
+/// (median +0.09, 29 of 32 cells higher; against 1 KiB, 2 KiB into L2 -0.01, 2 KiB into L1
+/// -0.02, 4 KiB into L1 -0.05; none at all as good from memory, but 0.1-0.2 lower at two cores,
+/// S = 16,384, 16-bit, where part of the history was in the L3). A pass over K that reads whole
+/// rows in order asks as `rows` says, as the V pass does: two query rows (32-byte vectors, see
+/// narrow_vectors_pay) and four float rows, S = 16,384 and 32,768, one core 0.83-0.92 ->
+/// 0.91-0.95 of the plain read (16-bit at H_q = 16 +0.08 to +0.10), two cores 0.93-1.03 ->
+/// 0.96-1.07, against 1 KiB into L1 (one run of bench/ab).
 [[nodiscard]] inline const FetchPolicy& fetch_policy() noexcept {
   static const FetchPolicy policy =
       cpu_is_intel() ? FetchPolicy{{16384, true}, true, true, {1024, false}} : FetchPolicy{};
