@@ -138,9 +138,7 @@ class AttentionKernel {
         group_(q.heads() / history.segments.front().keys.heads()),
         block_queries_(block_queries_for(group_, q.tokens())),
         rows_(group_ * block_queries_),
-        tile_(
-            std::clamp<std::size_t>(kTileBytes / (std::max<std::size_t>(dim_, 1) * sizeof(Stored)), kW, kMaxTileKeys) /
-            kW * kW),
+        tile_(tile_keys(dim_, rows_)),
         pairs_(kScoresPairs && pair_products),
         plain_one_row_(plain_one_row),
         four_rows_in_order_(four_rows_in_order && block_queries_ == 1) {
@@ -250,9 +248,19 @@ class AttentionKernel {
   // head on one core, +0.028 and +0.016 on two (medians of 14 interleaved pairs of calls, S =
   // 16,384 and 32,768; 12-13 of 14 gained), float unchanged; 4,096 keys (1 MiB) gained no more,
   // and 8,192 or 16,384 lost up to 0.15 and 0.22 on two cores. kMaxTileKeys bounds the scores a
-  // row keeps (8 KiB).
+  // row keeps (8 KiB). On Intel, blocks that one pass over K and one over V serve whole take
+  // longer tiles (long_tiles).
   static constexpr std::size_t kTileBytes = 524288;
   static constexpr std::size_t kMaxTileKeys = 2048;
+
+  /// Keys per tile at head size `dim` for blocks of `rows` query rows: kTileBytes of Stored K rows,
+  /// at most kMaxTileKeys, both times long_tiles where the rows are read once a tile (D = 128:
+  /// one pass over K and one over V serve up to four query rows).
+  static std::size_t tile_keys(std::size_t dim, std::size_t rows) noexcept {
+    const std::size_t times = dim == kThroughL1Dim && rows <= 4 ? long_tiles(rows) : 1;
+    const std::size_t keys = times * kTileBytes / (std::max<std::size_t>(dim, 1) * sizeof(Stored));
+    return std::clamp<std::size_t>(keys, kW, times * kMaxTileKeys) / kW * kW;
+  }
   static constexpr std::size_t kW = kVector<Acc, B>;  // keys scored at once
   // How K and V rows are read: in place when they widen in registers, else from a converted tile.
   using Stored = std::conditional_t<kConvertsInRegisters<T, Acc>, T, Acc>;

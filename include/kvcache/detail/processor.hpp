@@ -75,6 +75,26 @@ namespace kvcache::detail {
   return pay;
 }
 
+/// How many times its usual length (AttentionKernel::kTileBytes) a tile of keys is for a block of
+/// `rows` query rows (at most four) that one pass over K and one over V serve whole, so that no
+/// row is read again from cache: the passes switch between the K and the V stream less often.
+/// On the Intel Xeon of pair_products_pay, one core switching between plain reads of K and V
+/// read 0.95 of the plain read in 512 KiB runs, 0.99 in 1 MiB and 1.01 in 2 MiB. In the kernel,
+/// S = 16,384 and 32,768 (bench/ab, one run): 16-bit rows, one query row per kv head, one core
+/// 0.82-0.84 of the plain read, 0.85-0.87 at twice the length, 0.87-0.89 at four times; two
+/// query rows 0.92-0.93 -> 0.95-0.97 at twice (four times no better); four 0.84-0.87 ->
+/// 0.85-0.88 at twice, 0.82-0.83 at four times; float two and four rows +0.00 to +0.03 at
+/// twice, one row level. So one row four times, two to four rows twice: against the usual
+/// length, 16-bit one row per kv head, one core 0.82-0.84 -> 0.87-0.90, two cores 0.90-0.95 ->
+/// 0.95-1.01; every cell at S = 16,384 and 32,768 level or closer to the plain read (a second
+/// run). The AVX-512 AMD EPYC keeps the usual length: there four query rows gained nothing from
+/// 1 MiB tiles and lost from longer ones (kTileBytes).
+[[nodiscard]] inline std::size_t long_tiles(std::size_t rows) noexcept {
+  static const bool intel = cpu_is_intel();
+  if (!intel) return 1;
+  return rows == 1 ? 4 : 2;
+}
+
 /// Whether a kernel built for AVX-512 reads its K and V rows from memory faster in 32-byte vectors
 /// (all 32 registers of them) than in 64-byte ones, for blocks of `rows` query rows a kv head
 /// over `sixteen_bit` or float rows. On the Intel Xeon of pair_products_pay, one core, S = 16,384
