@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // How fast one core reads memory depends on the form of the loads that read it, not only on the
 // bytes: the question behind decode attention on one core of an Intel Xeon, whose passes read
-// 0.74-0.83 of the plain read there (bench/RESULTS.md, "One core on the Intel Xeon").
+// 0.74-0.83 of the plain read there (bench/RESULTS.md, "One core on the Intel Xeon"), and of the
+// attention kernel's passes taken one at a time (the rows from k_by_keys on).
 //
 // Each ReadForms row reads a region far larger than the caches in order, 128 bytes an iteration,
 // with loads of one form, added into independent sums (x86-64 assembly, so that the compiler does
@@ -11,6 +12,17 @@
 //   zmm_indexed     two 64-byte loads a step, base + index + offset (AVX-512)
 //   widen16_indexed four loads of 16 16-bit values widened to 32-bit lanes (vpmovzxwd),
 //                   base + index + offset (AVX-512)
+// and, taking the region as bf16 rows of D = 128 (256 bytes), the passes of a decode at four query
+// rows per kv head as the kernel runs them (detail/attention_math.hpp), in tiles of 2,048 keys:
+//   k_by_keys       the K pass kVector / 4 keys at a time (score_keys), rows asked for 1 KiB
+//                   ahead into L1, a row at a time
+//   k_in_order_near the K pass one whole row after another (score_in_order), rows asked for 1 KiB
+//                   ahead into L1, a line at a time
+//   k_in_order      the same, asked for 16 KiB ahead into L2 (FetchPolicy::rows on Intel)
+//   v_pass          the V pass (accumulate_whole_rows_in_l1), asked for 16 KiB ahead into L2
+//   switch_512k, switch_1m, switch_2m
+//                   ymm_indexed over the first half of the region (K) and the second (V) in turn,
+//                   runs of 512 KiB, 1 MiB or 2 MiB each: what a tile's length costs the plain read
 // Every iteration times, in turn, the plain read the attention benchmarks compare against
 // (bench_support.hpp's read_all over one buffer) and the row's form, each right after reading as
 // much other memory twice over, and at least as much as the L3, so neither finds its bytes there. `vs_plain_read` is
@@ -29,6 +41,8 @@
 #include <vector>
 
 #include "kvcache/detail/aligned_buffer.hpp"
+#include "kvcache/detail/attention_math.hpp"
+#include "kvcache/detail/row_fetcher.hpp"
 
 namespace {
 
@@ -91,6 +105,96 @@ void widen16_indexed(const char* data, std::size_t bytes) {
 }
 #endif
 
+namespace kd = kvcache::detail;
+
+constexpr std::size_t kDim = 128;
+constexpr std::size_t kQueryRows = 4;
+constexpr std::size_t kTileKeys = 2048;
+constexpr std::size_t kRowBytes = kDim * sizeof(Eigen::bfloat16);
+
+/// What the four query rows of the pass forms read and write besides the rows: their queries, a
+/// tile's scores (the V pass's weights) and their sums, all small enough for L1 and L2.
+struct FourRows {
+  alignas(64) float queries[kQueryRows][kDim];
+  alignas(64) float scores[kQueryRows][kTileKeys];
+  alignas(64) float sums[kQueryRows][kDim];
+  FourRows() {
+    for (auto& row : queries) std::fill(std::begin(row), std::end(row), 0.01F);
+    for (auto& row : scores) std::fill(std::begin(row), std::end(row), 0.001F);
+    for (auto& row : sums) std::fill(std::begin(row), std::end(row), 0.0F);
+  }
+};
+FourRows four_rows;
+
+/// Calls pass(tile, keys, fetch) for each tile of the region's rows, with a fetcher that asks
+/// `ahead` bytes ahead (into L2 where `into_l2`) through to the region's end.
+template <class Pass>
+void over_tiles(const char* data, std::size_t bytes, std::size_t ahead, bool into_l2, const Pass& pass) {
+  const auto* rows = reinterpret_cast<const Eigen::bfloat16*>(data);
+  const std::size_t total = bytes / kRowBytes;
+  for (std::size_t first = 0; first < total; first += kTileKeys) {
+    const Eigen::bfloat16* tile = rows + first * kDim;
+    const kd::RowFetcher fetch(tile, kRowBytes, kRowBytes, total - first, kd::FetchDistance{ahead, into_l2});
+    pass(tile, std::min(kTileKeys, total - first), fetch);
+  }
+}
+
+template <bool InOrder, std::size_t Ahead, bool IntoL2>
+void k_pass(const char* data, std::size_t bytes) {
+  const float* q[kQueryRows];
+  float* out[kQueryRows];
+  for (std::size_t r = 0; r < kQueryRows; ++r) {
+    q[r] = four_rows.queries[r];
+    out[r] = four_rows.scores[r];
+  }
+  over_tiles(data, bytes, Ahead, IntoL2,
+             [&](const Eigen::bfloat16* tile, std::size_t count, const kd::RowFetcher& fetch) {
+               if constexpr (InOrder) {
+                 kd::score_in_order<kQueryRows, kDim>(q, tile, kDim, count, out, fetch);
+               } else {
+                 constexpr std::size_t kKeys = kd::kVector<float> / kQueryRows;
+                 for (std::size_t j = 0; j + kKeys <= count; j += kKeys) {
+                   const Eigen::bfloat16* keys[kKeys];
+                   for (std::size_t k = 0; k < kKeys; ++k) {
+                     keys[k] = tile + (j + k) * kDim;
+                     fetch.row<kRowBytes>(j + k);
+                   }
+                   float* at[kQueryRows];
+                   for (std::size_t r = 0; r < kQueryRows; ++r) at[r] = out[r] + j;
+                   kd::score_keys<kQueryRows, kDim>(q, keys, kDim, at);
+                 }
+               }
+             });
+}
+
+void k_by_keys(const char* data, std::size_t bytes) { k_pass<false, 1024, false>(data, bytes); }
+void k_in_order_near(const char* data, std::size_t bytes) { k_pass<true, 1024, false>(data, bytes); }
+void k_in_order(const char* data, std::size_t bytes) { k_pass<true, 16384, true>(data, bytes); }
+
+void v_pass(const char* data, std::size_t bytes) {
+  constexpr std::size_t kHeld = std::min<std::size_t>(kQueryRows - 1, kd::kAccumulators / (kDim / kd::kVector<float>));
+  float* sums[kQueryRows];
+  const float* weights[kQueryRows];
+  for (std::size_t r = 0; r < kQueryRows; ++r) {
+    sums[r] = four_rows.sums[r];
+    weights[r] = four_rows.scores[r];
+  }
+  over_tiles(data, bytes, 16384, true,
+             [&](const Eigen::bfloat16* tile, std::size_t count, const kd::RowFetcher& fetch) {
+               kd::accumulate_whole_rows_in_l1<kQueryRows, kDim, kHeld>(sums, weights, tile, kDim, count, fetch);
+             });
+}
+
+template <std::size_t RunBytes>
+void switch_runs(const char* data, std::size_t bytes) {
+  const std::size_t half = bytes / 2;
+  const std::size_t run = std::min(RunBytes, half);
+  for (std::size_t done = 0; done + run <= half; done += run) {
+    ymm_indexed(data + done, run);
+    ymm_indexed(data + half + done, run);
+  }
+}
+
 /// Args: region MiB (0: 1 MiB, for the smoke run).
 void BM_ReadForms(benchmark::State& state, ReadForm form) {
   const std::size_t bytes = state.range(0) == 0 ? std::size_t{1} << 20 : static_cast<std::size_t>(state.range(0)) << 20;
@@ -135,6 +239,13 @@ void register_all() {
   add("ReadForms/zmm_indexed", zmm_indexed);
   add("ReadForms/widen16_indexed", widen16_indexed);
 #endif
+  add("ReadForms/k_by_keys", k_by_keys);
+  add("ReadForms/k_in_order_near", k_in_order_near);
+  add("ReadForms/k_in_order", k_in_order);
+  add("ReadForms/v_pass", v_pass);
+  add("ReadForms/switch_512k", switch_runs<std::size_t{512} << 10>);
+  add("ReadForms/switch_1m", switch_runs<std::size_t{1} << 20>);
+  add("ReadForms/switch_2m", switch_runs<std::size_t{2} << 20>);
 #endif
 }
 
