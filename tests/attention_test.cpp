@@ -919,8 +919,10 @@ TEST(PairProducts, AndKeysWidenedToFloatBothMatchTheReference) {
     for (const std::size_t threads : {std::size_t{1}, std::size_t{3}}) {
       std::vector<T> out(q.data.size());
       const TensorView<T> out_view(out.data(), q.shape);
+      detail::AttentionForms forms = detail::AttentionForms::of_this_processor();
+      forms.pair_products = pairs;
       const detail::AttentionKernel<T, T, float> kernel(q.view(), q_positions, history, out_view,
-                                                        detail::VisibilityRule(0, 0, 0, 0), scale, pairs);
+                                                        detail::VisibilityRule(0, 0, 0, 0), scale, forms);
       detail::run_attention(kernel, 1, kv_heads, chunk, threads);
       // Rounded weights move an output by at most 2^-8 / (1 - 2^-8) of |v - out| <= 2.
       const double weights = pairs ? 2 * 0x1p-8 / (1 - 0x1p-8) : 0;
@@ -1009,13 +1011,14 @@ TEST(AttentionMath, PairSumsAreExactWeightedSumsInRegisterOrder) {
 // before the pass over V, bfloat16 lines loaded by each operation that uses them) or as the
 // other processors read it (detail::plain_one_row_passes); four 16-bit query rows scoring the K
 // rows they read from memory in order or W / 4 keys at a time (detail::four_rows_in_order_pay);
-// and vectors of the build's width or, where that is 64 bytes, of 32 (detail::narrow_vectors_pay).
+// tiles of the usual length or longer (detail::long_tiles_pay); and vectors of the build's width
+// or, where that is 64 bytes, of 32 (detail::narrow_vectors_pay).
 // For every 16-bit type and float, one, two, four and eight query rows per kv head (at eight, the
 // first four read the tile from memory, the other four from cache), D = 128 and one with a tail
 // (72), over keys that span several tiles, one and three threads, decode and a chunk of three.
 template <class T, std::size_t B>
 void expect_kernel_form_matches_the_reference(std::size_t group, std::size_t dim) {
-  const std::size_t kv_heads = 2, keys = 9000;  // more than a tile of 8,192 keys (long_tiles)
+  const std::size_t kv_heads = 2, keys = 9000;  // more than a long tile of 8,192 keys
   const Block<T> k({1, kv_heads, keys, dim}, 71);
   const Block<T> v({1, kv_heads, keys, dim}, 72);
   const std::vector<std::int64_t> key_positions = arange(0, keys);
@@ -1029,9 +1032,13 @@ void expect_kernel_form_matches_the_reference(std::size_t group, std::size_t dim
     for (const bool chosen : {false, true}) {  // each form a processor may choose, taken or not
       for (const std::size_t threads : {std::size_t{1}, std::size_t{3}}) {
         std::vector<float> out(q.data.size());
-        const detail::AttentionKernel<T, float, float, B> kernel(
-            q.view(), q_positions, history, TensorView<float>(out.data(), q.shape), detail::VisibilityRule(0, 0, 0, 0),
-            scale, detail::pair_products_pay(), chosen, chosen);
+        const detail::AttentionForms forms{.pair_products = detail::pair_products_pay(),
+                                           .plain_one_row = chosen,
+                                           .four_rows_in_order = chosen,
+                                           .long_tiles = chosen};
+        const detail::AttentionKernel<T, float, float, B> kernel(q.view(), q_positions, history,
+                                                                 TensorView<float>(out.data(), q.shape),
+                                                                 detail::VisibilityRule(0, 0, 0, 0), scale, forms);
         detail::run_attention(kernel, 1, kv_heads, chunk, threads);
         std::size_t bad = out.size();
         for (std::size_t i = 0; i < out.size() && bad == out.size(); ++i) {

@@ -126,8 +126,8 @@ class AttentionKernel {
   };
 
   AttentionKernel(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
-                  TensorView<Q> out, const VisibilityRule& rule, Acc scale, bool pair_products = pair_products_pay(),
-                  bool plain_one_row = plain_one_row_passes(), bool four_rows_in_order = four_rows_in_order_pay())
+                  TensorView<Q> out, const VisibilityRule& rule, Acc scale,
+                  const AttentionForms& forms = AttentionForms::of_this_processor())
       : q_(q),
         q_positions_(q_positions),
         segments_(history.segments),
@@ -138,10 +138,10 @@ class AttentionKernel {
         group_(q.heads() / history.segments.front().keys.heads()),
         block_queries_(block_queries_for(group_, q.tokens())),
         rows_(group_ * block_queries_),
-        tile_(tile_keys(dim_, rows_)),
-        pairs_(kScoresPairs && pair_products),
-        plain_one_row_(plain_one_row),
-        four_rows_in_order_(four_rows_in_order && block_queries_ == 1) {
+        tile_(tile_keys(dim_, rows_, forms.long_tiles)),
+        pairs_(kScoresPairs && forms.pair_products),
+        plain_one_row_(forms.plain_one_row),
+        four_rows_in_order_(forms.four_rows_in_order && block_queries_ == 1) {
     offsets_.reserve(segments_.size() + 1);
     offsets_.push_back(0);
     for (const Segment<T>& s : segments_) offsets_.push_back(offsets_.back() + s.tokens());
@@ -249,15 +249,16 @@ class AttentionKernel {
   // 16,384 and 32,768; 12-13 of 14 gained), float unchanged; 4,096 keys (1 MiB) gained no more,
   // and 8,192 or 16,384 lost up to 0.15 and 0.22 on two cores. kMaxTileKeys bounds the scores a
   // row keeps (8 KiB). On Intel, blocks that one pass over K and one over V serve whole take
-  // longer tiles (long_tiles).
+  // longer tiles (long_tiles_pay).
   static constexpr std::size_t kTileBytes = 524288;
   static constexpr std::size_t kMaxTileKeys = 2048;
 
   /// Keys per tile at head size `dim` for blocks of `rows` query rows: kTileBytes of Stored K rows,
-  /// at most kMaxTileKeys, both times long_tiles where the rows are read once a tile (D = 128:
-  /// one pass over K and one over V serve up to four query rows).
-  static std::size_t tile_keys(std::size_t dim, std::size_t rows) noexcept {
-    const std::size_t times = dim == kThroughL1Dim && rows <= 4 ? long_tiles(rows) : 1;
+  /// at most kMaxTileKeys. Both four times as many for one query row and twice for two to four
+  /// where `long_tiles` and the rows are read once a tile (D = 128: one pass over K and one over V
+  /// serve up to four query rows).
+  static std::size_t tile_keys(std::size_t dim, std::size_t rows, bool long_tiles) noexcept {
+    const std::size_t times = long_tiles && dim == kThroughL1Dim && rows <= 4 ? (rows == 1 ? 4 : 2) : 1;
     const std::size_t keys = times * kTileBytes / (std::max<std::size_t>(dim, 1) * sizeof(Stored));
     return std::clamp<std::size_t>(keys, kW, times * kMaxTileKeys) / kW * kW;
   }
@@ -901,7 +902,7 @@ class AttentionKernel {
   std::size_t block_queries_;
   std::size_t rows_;
   std::size_t tile_;
-  bool pairs_;          // kScoresPairs and kWeighsPairs, where pair_products_pay()
+  bool pairs_;          // kScoresPairs and kWeighsPairs, where AttentionForms::pair_products
   bool plain_one_row_;  // one query row's passes as plain streams (plain_one_row_passes)
   // Four 16-bit query rows score the K rows they read from memory in order (four_rows_in_order_pay):
   // where a block holds one query (decode), each tile is read once a call.

@@ -76,9 +76,10 @@ namespace kvcache::detail {
   return pay;
 }
 
-/// How many times its usual length (AttentionKernel::kTileBytes) a tile of keys is for a block of
-/// `rows` query rows (at most four) that one pass over K and one over V serve whole, so that no
-/// row is read again from cache: the passes switch between the K and the V stream less often.
+/// Whether a tile of keys is longer than usual (AttentionKernel::kTileBytes) for a block of up to
+/// four query rows that one pass over K and one over V serve whole, so that no row is read again
+/// from cache: four times for one query row, twice for two to four (AttentionKernel::tile_keys).
+/// The passes then switch between the K and the V stream less often.
 /// On the Intel Xeon of pair_products_pay, one core switching between plain reads of K and V
 /// read 0.94-0.95 of the plain read in 512 KiB runs, 0.97-0.99 in 1 MiB and 1.00-1.01 in 2 MiB
 /// (bench/read_forms_bench, two runs). In the kernel,
@@ -91,10 +92,9 @@ namespace kvcache::detail {
 /// 0.95-1.01; every cell at S = 16,384 and 32,768 within 0.01 or closer to the plain read (a
 /// second run). The AVX-512 AMD EPYC keeps the usual length: there four query rows gained nothing from
 /// 1 MiB tiles and lost from longer ones (kTileBytes).
-[[nodiscard]] inline std::size_t long_tiles(std::size_t rows) noexcept {
-  static const bool intel = cpu_is_intel();
-  if (!intel) return 1;
-  return rows == 1 ? 4 : 2;
+[[nodiscard]] inline bool long_tiles_pay() noexcept {
+  static const bool pay = cpu_is_intel();
+  return pay;
 }
 
 /// Whether a kernel built for AVX-512 reads its K and V rows from memory faster in 32-byte vectors
@@ -123,5 +123,20 @@ namespace kvcache::detail {
   static const std::size_t bytes = cpu_is_intel() ? std::size_t{1} << 19 : std::size_t{1} << 20;
   return bytes;
 }
+
+/// The forms of the attention kernel that a processor chooses between at run time, each measured
+/// above: AttentionKernel runs this processor's unless given others (the tests run every form on
+/// any processor).
+struct AttentionForms {
+  bool pair_products = false;       // pair_products_pay
+  bool plain_one_row = false;       // plain_one_row_passes
+  bool four_rows_in_order = false;  // four_rows_in_order_pay
+  bool long_tiles = false;          // long_tiles_pay
+
+  /// The forms this processor reads fastest with.
+  [[nodiscard]] static AttentionForms of_this_processor() noexcept {
+    return {pair_products_pay(), plain_one_row_passes(), four_rows_in_order_pay(), long_tiles_pay()};
+  }
+};
 
 }  // namespace kvcache::detail
