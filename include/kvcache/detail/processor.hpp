@@ -61,16 +61,16 @@ namespace kvcache::detail {
 
 /// Whether four query rows over 16-bit K rows, at 64-byte vectors, score the K rows they read from
 /// memory in order, one whole row after another (score_in_order, their queries read from L1 where
-/// the registers do not hold them all), rather than kVector / 4 keys at a time (score_keys). On
-/// the Intel Xeon of pair_products_pay, over 128 MiB of bf16 K rows, one core (two runs of
+/// the registers do not hold them all), rather than kVector / 4 keys at a time (score_keys). On the
+/// Intel Xeon of pair_products_pay, over 128 MiB of bf16 K rows, one core (two runs of
 /// bench/read_forms_bench): 0.63-0.64 of the plain read four keys at a time, 0.81-0.82 in order,
 /// 0.84-0.88 in order with the rows asked for as the V pass asks (FetchPolicy::rows, a line at a
-/// time; the V pass itself read 1.02). In
-/// the kernel, bf16 and half at H_q = 32 (decode, four query rows per kv head), S = 16,384 and
-/// 32,768: one core 0.75-0.77 -> 0.85-0.89 of the plain read, two cores 0.82-0.86 -> 0.93-1.00;
-/// S = 512 and 4,096, one core 0.70-0.74 -> 0.75-0.87 (bench/ab, one run each). With the tile in
-/// cache they took 2-6% longer a key, so only decode takes them (see four_rows_in_order_). On the
-/// AVX-512 AMD EPYC the kernel was tuned on, four rows in order ran slower (score_fixed).
+/// time; the V pass itself read 1.02). In the kernel, bf16 and half at H_q = 32 (decode, four query
+/// rows per kv head), S = 16,384 and 32,768: one core 0.75-0.77 -> 0.85-0.89 of the plain read, two
+/// cores 0.82-0.86 -> 0.93-1.00; S = 512 and 4,096, one core 0.70-0.74 -> 0.75-0.87 (bench/ab, one
+/// run each). With the tile in cache they took 2-6% longer a key, so only decode takes them (see
+/// four_rows_in_order_). On the AVX-512 AMD EPYC the kernel was tuned on, four rows in order ran
+/// slower (score_fixed).
 [[nodiscard]] inline bool four_rows_in_order_pay() noexcept {
   static const bool pay = cpu_is_intel();
   return pay;
@@ -79,19 +79,18 @@ namespace kvcache::detail {
 /// Whether a tile of keys is longer than usual (AttentionKernel::kTileBytes) for a block of up to
 /// four query rows that one pass over K and one over V serve whole, so that no row is read again
 /// from cache: four times for one query row, twice for two to four (AttentionKernel::tile_keys).
-/// The passes then switch between the K and the V stream less often.
-/// On the Intel Xeon of pair_products_pay, one core switching between plain reads of K and V
-/// read 0.94-0.95 of the plain read in 512 KiB runs, 0.97-0.99 in 1 MiB and 1.00-1.01 in 2 MiB
-/// (bench/read_forms_bench, two runs). In the kernel,
-/// S = 16,384 and 32,768 (bench/ab, one run): 16-bit rows, one query row per kv head, one core
-/// 0.82-0.84 of the plain read, 0.85-0.87 at twice the length, 0.87-0.89 at four times; two
-/// query rows 0.92-0.93 -> 0.95-0.97 at twice (four times no better); four 0.84-0.87 ->
-/// 0.85-0.88 at twice, 0.82-0.83 at four times; float two and four rows +0.00 to +0.03 at
-/// twice, one row level. So one row four times, two to four rows twice: against the usual
-/// length, 16-bit one row per kv head, one core 0.82-0.84 -> 0.87-0.90, two cores 0.90-0.95 ->
-/// 0.95-1.01; every cell at S = 16,384 and 32,768 within 0.01 or closer to the plain read (a
-/// second run). The AVX-512 AMD EPYC keeps the usual length: there four query rows gained nothing from
-/// 1 MiB tiles and lost from longer ones (kTileBytes).
+/// The passes then switch between the K and the V stream less often. On the Intel Xeon of
+/// pair_products_pay, one core switching between plain reads of K and V read 0.94-0.95 of the plain
+/// read in 512 KiB runs, 0.97-0.99 in 1 MiB and 1.00-1.01 in 2 MiB (bench/read_forms_bench, two
+/// runs). In the kernel, S = 16,384 and 32,768 (bench/ab, one run): 16-bit rows, one query row per
+/// kv head, one core 0.82-0.84 of the plain read, 0.85-0.87 at twice the length, 0.87-0.89 at four
+/// times; two query rows 0.92-0.93 -> 0.95-0.97 at twice (four times no better); four 0.84-0.87 ->
+/// 0.85-0.88 at twice, 0.82-0.83 at four times; float two and four rows +0.00 to +0.03 at twice,
+/// one row level. So one row four times, two to four rows twice: against the usual length, 16-bit
+/// one row per kv head, one core 0.82-0.84 -> 0.87-0.90, two cores 0.90-0.95 -> 0.95-1.01; every
+/// cell at S = 16,384 and 32,768 within 0.01 or closer to the plain read (a second run). The
+/// AVX-512 AMD EPYC keeps the usual length: there four query rows gained nothing from 1 MiB tiles
+/// and lost from longer ones (kTileBytes).
 [[nodiscard]] inline bool long_tiles_pay() noexcept {
   static const bool pay = cpu_is_intel();
   return pay;
