@@ -455,4 +455,58 @@ TEST(Config, ParsesAQwen3ConfigAndRejectsOthers) {
   }
 }
 
+/// A small config.json object: the base fields, then `extra` (", \"key\": value" pairs).
+std::string config_text(const std::string& extra) {
+  return R"({"model_type": "qwen3", "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2,
+      "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 384)" +
+         extra + "}";
+}
+
+/// The message of the safetensors::Error that parse_config throws for `text` (empty if none).
+std::string config_error(const std::string& text) {
+  try {
+    (void)qwen3::parse_config(text, "my/config.json");
+  } catch (const st::Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+TEST(Config, RopeThetaInsideRopeParameters) {
+  const qwen3::Config c =
+      qwen3::parse_config(config_text(R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0})"));
+  EXPECT_DOUBLE_EQ(c.rope_theta, 5e5);
+  // Both places, the same value: an older key kept beside the new one.
+  const qwen3::Config both = qwen3::parse_config(
+      config_text(R"(, "rope_theta": 500000, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5})"));
+  EXPECT_DOUBLE_EQ(both.rope_theta, 5e5);
+  // Without rope_type, or with rope_parameters null beside a top-level rope_theta.
+  EXPECT_DOUBLE_EQ(qwen3::parse_config(config_text(R"(, "rope_parameters": {"rope_theta": 20000})")).rope_theta, 2e4);
+  EXPECT_DOUBLE_EQ(qwen3::parse_config(config_text(R"(, "rope_theta": 20000, "rope_parameters": null)")).rope_theta,
+                   2e4);
+
+  EXPECT_THAT(config_error(config_text("")),
+              AllOf(HasSubstr("my/config.json: rope_theta: missing"), HasSubstr("rope_parameters.rope_theta")));
+  EXPECT_THAT(config_error(config_text(R"(, "rope_parameters": {"rope_type": "default"})")),
+              HasSubstr("rope_parameters.rope_theta: missing"));
+  EXPECT_THAT(config_error(config_text(R"(, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6})")),
+              AllOf(HasSubstr("rope_parameters.rope_type: expected \"default\""), HasSubstr("\"yarn\"")));
+  EXPECT_THAT(config_error(config_text(R"(, "rope_parameters": 1e6)")),
+              HasSubstr("rope_parameters: expected an object, given the number"));
+  EXPECT_THAT(config_error(config_text(R"(, "rope_parameters": {"rope_theta": "1e6"})")),
+              HasSubstr("rope_parameters.rope_theta: expected a number, given the string \"1e6\""));
+}
+
+TEST(Config, RopeThetaGivenTwiceWithDifferentValuesIsRefused) {
+  try {
+    (void)qwen3::parse_config(
+        config_text(R"(, "rope_theta": 10000, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0})"),
+        "my/config.json");
+    FAIL() << "parsed a config with two rotary bases";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("my/config.json"), HasSubstr("rope_theta 10000 "),
+                                HasSubstr("rope_parameters.rope_theta 1000000 ")));
+  }
+}
+
 }  // namespace

@@ -8,6 +8,8 @@
 //   qwen3::save_checkpoint("tiny", qwen3::random_weights(qwen3::Config{}), qwen3::safetensors::Dtype::bf16);
 
 #include <algorithm>
+#include <array>
+#include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -17,7 +19,9 @@
 #include <iterator>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -34,10 +38,51 @@ namespace detail {
   throw safetensors::Error(source + ": " + message);
 }
 
+/// `x` as the shortest decimal that reads back the same, without an exponent ("1000000").
+inline std::string plain_number(double x) {
+  std::array<char, 400> text{};  // fixed notation of the largest double has 309 digits
+  const auto [end, ec] = std::to_chars(text.data(), text.data() + text.size(), x, std::chars_format::fixed);
+  return ec == std::errc() ? std::string(text.data(), end) : std::to_string(x);
+}
+
+/// The rotary base of a config.json object: top-level "rope_theta" (Hugging Face before v5) or
+/// "rope_parameters": {"rope_type": "default", "rope_theta": ...} (v5 on). Required, since a
+/// default here would silently differ from the model's; std::invalid_argument if both are
+/// given and disagree, safetensors::Error naming `source` for anything else.
+inline double rope_theta(const json::Value& root, const std::string& source) {
+  const auto fail = [&](const std::string& message) { config_error(source, message); };
+  const auto number = [&](const json::Value* v, const char* key) -> const json::Value* {
+    if (v != nullptr && !v->is_number()) fail(std::string(key) + ": expected a number, given " + v->describe());
+    return v;
+  };
+  const json::Value* top = number(root.find("rope_theta"), "rope_theta");
+  const json::Value* nested = nullptr;
+  if (const json::Value* params = root.find("rope_parameters"); params != nullptr && !params->is_null()) {
+    if (!params->is_object()) fail("rope_parameters: expected an object, given " + params->describe());
+    if (const json::Value* type = params->find("rope_type");
+        type != nullptr && (!type->is_string() || type->as_string() != "default")) {
+      fail("rope_parameters.rope_type: expected \"default\" (scaled rotary embeddings are not implemented), given " +
+           type->describe());
+    }
+    nested = number(params->find("rope_theta"), "rope_parameters.rope_theta");
+    if (nested == nullptr) fail("rope_parameters.rope_theta: missing");
+  }
+  if (top == nullptr && nested == nullptr) {
+    fail("rope_theta: missing (expected a top-level rope_theta or rope_parameters.rope_theta)");
+  }
+  if (top != nullptr && nested != nullptr && top->as_double() != nested->as_double()) {
+    throw std::invalid_argument(source + ": rope_theta " + plain_number(top->as_double()) +
+                                " and rope_parameters.rope_theta " + plain_number(nested->as_double()) +
+                                " disagree: expected one rotary base");
+  }
+  return (top != nullptr ? top : nested)->as_double();
+}
+
 }  // namespace detail
 
 /// Reads the decoder's shape from config.json text; safetensors::Error naming `source` and the
-/// field for a missing, mistyped or unsupported one.
+/// field for a missing, mistyped or unsupported one, std::invalid_argument for two rotary bases
+/// that disagree (rope_theta and rope_parameters.rope_theta).
 [[nodiscard]] inline Config parse_config(std::string_view text, const std::string& source = "config.json") {
   const auto fail = [&](const std::string& message) { detail::config_error(source, message); };
   json::Value root;
@@ -91,9 +136,7 @@ namespace detail {
   c.head_dim = root.find("head_dim") != nullptr ? count("head_dim") : c.hidden / c.q_heads;
   c.mlp = count("intermediate_size");
   c.rms_eps = static_cast<float>(number("rms_norm_eps", 1e-6));
-  // Required: a checkpoint without it would silently get a different rotary base elsewhere.
-  if (root.find("rope_theta") == nullptr) fail("rope_theta: missing");
-  c.rope_theta = number("rope_theta", 0.0);
+  c.rope_theta = detail::rope_theta(root, source);
   c.tied = flag("tie_word_embeddings", false);  // the Qwen3 configuration's default
   try {
     c.validate();
