@@ -509,4 +509,24 @@ TEST(Config, RopeThetaGivenTwiceWithDifferentValuesIsRefused) {
   }
 }
 
+TEST(Config, HeadDimAndKvHeadsDefaultAsQwen3ConfigDoes) {
+  const std::string sizes = R"({"model_type": "qwen3", "vocab_size": 256, "hidden_size": 128,
+      "num_hidden_layers": 2, "num_attention_heads": 8, "intermediate_size": 384, "rope_theta": 1e6)";
+  // No head_dim: Qwen3's 128, not hidden / heads = 16.
+  const qwen3::Config c = qwen3::parse_config(sizes + R"(, "num_key_value_heads": 2})");
+  EXPECT_EQ(c.head_dim, 128U);
+  EXPECT_EQ(c.q_width(), 1024U);
+  EXPECT_EQ(c.kv_heads, 2U);
+  // num_key_value_heads null, or absent: one kv head per query head.
+  for (const std::string& kv : {std::string(R"(, "num_key_value_heads": null})"), std::string("}")}) {
+    const qwen3::Config mha = qwen3::parse_config(sizes + R"(, "head_dim": 16)" + kv);
+    EXPECT_EQ(mha.kv_heads, 8U) << kv;
+    EXPECT_EQ(mha.head_dim, 16U) << kv;
+  }
+  // Written, they must still be positive integers.
+  EXPECT_THAT(config_error(sizes + R"(, "head_dim": null})"), HasSubstr("head_dim: expected a positive integer"));
+  EXPECT_THAT(config_error(sizes + R"(, "num_key_value_heads": 0})"),
+              HasSubstr("num_key_value_heads: expected a positive integer, given the number 0"));
+}
+
 }  // namespace

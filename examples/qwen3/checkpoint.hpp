@@ -132,8 +132,11 @@ inline double rope_theta(const json::Value& root, const std::string& source) {
   c.hidden = count("hidden_size");
   c.layers = count("num_hidden_layers");
   c.q_heads = count("num_attention_heads");
-  c.kv_heads = root.find("num_key_value_heads") != nullptr ? count("num_key_value_heads") : c.q_heads;
-  c.head_dim = root.find("head_dim") != nullptr ? count("head_dim") : c.hidden / c.q_heads;
+  // As Hugging Face's Qwen3Config reads them: null kv heads means one per query head (no
+  // grouping), and an absent head_dim is its default 128, not hidden / heads as in Llama.
+  const json::Value* kv_heads = root.find("num_key_value_heads");
+  c.kv_heads = kv_heads != nullptr && !kv_heads->is_null() ? count("num_key_value_heads") : c.q_heads;
+  c.head_dim = root.find("head_dim") != nullptr ? count("head_dim") : 128;
   c.mlp = count("intermediate_size");
   c.rms_eps = static_cast<float>(number("rms_norm_eps", 1e-6));
   c.rope_theta = detail::rope_theta(root, source);
