@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// Causal attention over what a cache's update() returns: any number of segments, any element
-// type, grouped-query heads, a mask computed from positions alone.
+// Causal attention over what a cache's update() returns: any number of segments, any storage
+// format (read through its codec), queries in any compute type, grouped-query heads, a mask
+// computed from positions alone. Needs no Eigen: half and bfloat16 are read by their bits.
 
 #include <algorithm>
 #include <cmath>
@@ -15,8 +16,8 @@
 #include <type_traits>
 #include <vector>
 
-#include <Eigen/Core>
-
+#include "kvcache/attention_tuning.hpp"
+#include "kvcache/codec.hpp"
 #include "kvcache/detail/attention_kernel.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/views.hpp"
@@ -33,14 +34,15 @@ struct AttentionOptions {
   float scale = 0.0f;       // 0 = 1/sqrt(D)
   std::size_t window = 0;   // 0 = none; key k visible to query p iff p - window < k <= p (or 0 <= k < sinks)
   std::size_t sinks = 0;    // positions 0 .. sinks - 1 stay visible through the window
-  std::size_t threads = 0;  // 0 = automatic (a thread per MiB of K and V read, half MiB on Intel); 1 = caller's only
+  std::size_t threads = 0;  // 0 = automatic (a thread per tuning.bytes_per_thread of K and V read); 1 = caller's only
+  AttentionTuning tuning{};  // tile, prefetch and thread sizes; results never depend on them
 };
 
 namespace detail {
 
 /// Validates causal_attention's arguments; throws std::invalid_argument naming expected and given.
 template <class T, class Q>
-void check_attention(const TensorView<const Q>& q, std::span<const std::int64_t> q_positions, const History<T>& history,
+void check_attention(const TensorView<const Q>& q, const Positions& q_positions, const History<T>& history,
                      const TensorView<Q>& out) {
   // Messages are built only when a check fails: a call that passes allocates nothing.
   const auto call = [] { return std::string("causal_attention"); };
@@ -48,15 +50,16 @@ void check_attention(const TensorView<const Q>& q, std::span<const std::int64_t>
     throw std::invalid_argument(
         expected_given(call() + ": out shape", q.shape().str() + " (the shape of q)", out.shape().str()));
   }
-  if (q_positions.size() != q.tokens()) {
+  if (q_positions.tokens() != q.tokens()) {
     throw std::invalid_argument(expected_given(call() + ": q_positions count",
                                                "q's tokens " + std::to_string(q.tokens()),
-                                               std::to_string(q_positions.size())));
+                                               std::to_string(q_positions.tokens())));
   }
-  if (q.shape().size() != 0 && (q.data() == nullptr || out.data() == nullptr)) {
-    throw std::invalid_argument(call() + ": q and out data: expected non-null pointers for shape " + q.shape().str() +
-                                ", given null");
+  if (q.shape().size() != 0 && (q.data() == nullptr || out.data() == nullptr || q_positions.data() == nullptr)) {
+    throw std::invalid_argument(call() + ": q, out and q_positions data: expected non-null pointers for shape " +
+                                q.shape().str() + ", given null");
   }
+  const std::size_t units = storage_codec<T>::units(q.head_dim());
   for (std::size_t s = 0; s < history.segments.size(); ++s) {
     const Segment<T>& seg = history.segments[s];
     const auto name = [&] { return call() + ": history.segments[" + std::to_string(s) + "]"; };
@@ -65,17 +68,19 @@ void check_attention(const TensorView<const Q>& q, std::span<const std::int64_t>
       throw std::invalid_argument(
           expected_given(name() + " values shape", k.str() + " (the shape of its keys)", seg.values.shape().str()));
     }
-    if (seg.positions.size() != k.tokens) {
+    if (seg.positions.tokens() != k.tokens) {
       throw std::invalid_argument(expected_given(name() + " positions count",
                                                  "its keys' tokens " + std::to_string(k.tokens),
-                                                 std::to_string(seg.positions.size())));
+                                                 std::to_string(seg.positions.tokens())));
     }
     if (k.batch != q.batch()) {
       throw std::invalid_argument(
           expected_given(name() + " batch", "q's batch " + std::to_string(q.batch()), std::to_string(k.batch)));
     }
-    if (k.head_dim != q.head_dim()) {
-      throw std::invalid_argument(expected_given(name() + " head_dim", "q's head_dim " + std::to_string(q.head_dim()),
+    if (k.head_dim != units) {
+      throw std::invalid_argument(expected_given(name() + " row length",
+                                                 std::to_string(units) + " stored values (q's head_dim " +
+                                                     std::to_string(q.head_dim()) + ")",
                                                  std::to_string(k.head_dim)));
     }
     const std::size_t kv_heads = history.segments[0].keys.heads();
@@ -83,9 +88,18 @@ void check_attention(const TensorView<const Q>& q, std::span<const std::int64_t>
       throw std::invalid_argument(expected_given(
           name() + " kv_heads", "segment 0's kv_heads " + std::to_string(kv_heads), std::to_string(k.heads)));
     }
-    if (k.size() != 0 && (seg.keys.data() == nullptr || seg.values.data() == nullptr)) {
-      throw std::invalid_argument(name() + " keys and values data: expected non-null pointers for shape " + k.str() +
-                                  ", given null");
+    if (!seg.row_tokens.empty() && seg.row_tokens.size() != k.batch) {
+      throw std::invalid_argument(expected_given(name() + " row_tokens count", "its batch " + std::to_string(k.batch),
+                                                 std::to_string(seg.row_tokens.size())));
+    }
+    if (k.size() != 0 && (seg.keys.data() == nullptr || seg.values.data() == nullptr ||
+                          seg.positions.data() == nullptr)) {
+      throw std::invalid_argument(name() + " keys, values and positions data: expected non-null pointers for shape " +
+                                  k.str() + ", given null");
+    }
+    if (storage_codec<T>::row_scales && k.size() != 0 && (seg.key_scales.empty() || seg.value_scales.empty())) {
+      throw std::invalid_argument(name() + " key_scales and value_scales: expected a scale per row for this format, " +
+                                  "given none");
     }
   }
   if (!history.segments.empty()) {
@@ -98,52 +112,62 @@ void check_attention(const TensorView<const Q>& q, std::span<const std::int64_t>
   }
 }
 
-/// Runs the kernel with vectors of B bytes.
-template <std::size_t B, class T, class Q, class Acc>
-void attend(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
-            TensorView<Q> out, const VisibilityRule& rule, Acc scale, std::size_t threads) {
-  const AttentionKernel<T, Q, Acc, B> kernel(q, q_positions, history, out, rule, scale);
-  run_attention(kernel, q.batch(), history.segments.front().keys.heads(), q.tokens(), threads);
+/// Runs the kernel in registers of B bytes.
+template <std::size_t B, class T>
+void attend(const QueryRows<acc_type<T>>& q, const History<T>& history, const VisibilityRule& rule,
+            acc_type<T> scale, const AttentionOptions& options) {
+  const AttentionKernel<T, B> kernel(q, history, rule, scale, options.tuning);
+  run_attention(kernel, history, q.shape.batch, history.segments.front().keys.heads(), q.shape.tokens,
+                q.shape.head_dim, options.threads, options.tuning);
+}
+
+/// The widest registers whose lanes divide the head size (the scalar tail takes the rest).
+template <class T>
+void attend_by_width(const QueryRows<acc_type<T>>& q, const History<T>& history, const VisibilityRule& rule,
+                     acc_type<T> scale, const AttentionOptions& options) {
+  const std::size_t dim = q.shape.head_dim;
+  constexpr std::size_t kAcc = sizeof(acc_type<T>);
+  if (dim % (kNativeBytes / kAcc) == 0) return attend<kNativeBytes>(q, history, rule, scale, options);
+  if constexpr (kNativeBytes >= 64) {
+    if (dim % (32 / kAcc) == 0) return attend<32>(q, history, rule, scale, options);
+  }
+  if constexpr (kNativeBytes >= 32) return attend<16>(q, history, rule, scale, options);
+  return attend<kNativeBytes>(q, history, rule, scale, options);
 }
 
 }  // namespace detail
 
 /// out[b, h, t] = softmax over the visible keys of q[b, h, t] . k / sqrt(D), times v.
-/// q, out: [B, H_q, T, D]; q_positions: the T queries' absolute positions (every batch row);
-/// history: what update() returned, [B, H_kv, S, D] in segments, H_q a multiple of H_kv.
-/// out may be q itself (the same view): every query row is read before its output is written.
-/// Throws std::invalid_argument for mismatched shapes before writing anything.
+/// q, out: [B, H_q, T, D] in any compute type; q_positions: the T queries' absolute positions
+/// (shared by every batch row, or a list per row); history: what update() returned, [B, H_kv,
+/// S, D] in segments of any storage format, H_q a multiple of H_kv. out may be q itself (the
+/// same view): every query row is read before its output is written. Throws
+/// std::invalid_argument for mismatched shapes before writing anything.
 template <class T, class Q>
-void causal_attention(TensorView<const Q> q, std::span<const std::int64_t> q_positions, const History<T>& history,
+void causal_attention(TensorView<const Q> q, const Positions& q_positions, const History<T>& history,
                       TensorView<Q> out, const AttentionOptions& options = {}) {
   static_assert(!std::is_const_v<Q>, "causal_attention: out must be a mutable view (TensorView<float>, not const).");
+  static_assert(compute_type<Q>, "causal_attention: q and out hold float, double, Eigen::half or Eigen::bfloat16.");
+  static_assert(storage_format<T>, "causal_attention: the history's format needs a storage_codec specialization.");
   detail::check_attention(q, q_positions, history, out);
-  using Acc = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<Q, double>, double, float>;
+  using Acc = acc_type<T>;
   if (q.shape().size() == 0) return;
   if (history.tokens() == 0) {
     // No key at all (this also covers a history of zero segments, whose kv_heads is unknown).
     for (std::size_t b = 0; b < q.batch(); ++b)
       for (std::size_t h = 0; h < q.heads(); ++h)
-        for (std::size_t t = 0; t < q.tokens(); ++t) std::fill_n(out.row(b, h, t), q.head_dim(), Q(0));
+        for (std::size_t t = 0; t < q.tokens(); ++t) std::fill_n(out.row(b, h, t), q.head_dim(), detail::narrow<Q>(0.0F));
     return;
   }
   const Acc scale =
       options.scale != 0.0f ? static_cast<Acc>(options.scale) : Acc{1} / std::sqrt(static_cast<Acc>(q.head_dim()));
   const detail::VisibilityRule rule(history.window, history.sinks, options.window, options.sinks);
-  if constexpr (detail::kVectorBytes == 64 && std::is_same_v<Acc, float>) {
-    // One code path at either width: the processor decides which reads faster (narrow_vectors_pay).
-    const std::size_t group = q.heads() / history.segments.front().keys.heads();
-    const std::size_t rows = group * detail::AttentionKernel<T, Q, Acc, 32>::block_queries_for(group, q.tokens());
-    if (detail::narrow_vectors_pay(rows, sizeof(T) < sizeof(Acc))) {
-      return detail::attend<32>(q, q_positions, history, out, rule, scale, options.threads);
-    }
-  }
-  detail::attend<detail::kVectorBytes>(q, q_positions, history, out, rule, scale, options.threads);
+  detail::attend_by_width(detail::query_rows<Acc>(q, q_positions, out), history, rule, scale, options);
 }
 
 /// causal_attention for a mutable q view, so TensorView<float> works without a cast.
 template <class T, class Q>
-requires(!std::is_const_v<Q>) void causal_attention(TensorView<Q> q, std::span<const std::int64_t> q_positions,
+requires(!std::is_const_v<Q>) void causal_attention(TensorView<Q> q, const Positions& q_positions,
                                                     const History<T>& history, TensorView<Q> out,
                                                     const AttentionOptions& options = {}) {
   causal_attention(TensorView<const Q>(q), q_positions, history, out, options);

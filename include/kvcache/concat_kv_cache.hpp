@@ -10,10 +10,10 @@
 
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
-#include "kvcache/detail/aligned_buffer.hpp"
+#include "kvcache/codec.hpp"
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
-#include "kvcache/detail/copy.hpp"
+#include "kvcache/detail/row_store.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
@@ -26,7 +26,9 @@ namespace kvcache {
 ///   kvcache::ConcatKvCache<float> cache({.layers = 4, .kv_heads = 2, .head_dim = 32, .capacity = 1024});
 ///   auto history = cache.update(layer, k, v, positions);
 template <class T>
-class ConcatKvCache : public detail::CacheBase {
+class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<ConcatKvCache<T>, T> {
+  static_assert(storage_format<T>, "ConcatKvCache<T>: T must be a storage format (a type with a storage_codec).");
+
  public:
   using value_type = T;
 
@@ -34,36 +36,19 @@ class ConcatKvCache : public detail::CacheBase {
   /// std::length_error for a capacity whose bytes overflow std::size_t (as KvCache does).
   explicit ConcatKvCache(const KvCacheConfig& config)
       : CacheBase("ConcatKvCache", detail::check_dense_config("ConcatKvCache", config)),
-        capacity_(detail::check_footprint("ConcatKvCache", geometry(), config.capacity, sizeof(T))),
+        capacity_(detail::check_footprint("ConcatKvCache", geometry(), config.capacity,
+                                          sizeof(typename storage_codec<T>::unit))),
         layers_(layers()) {}
 
-  /// Same contract as KvCache::update; reallocates the layer's K and V every time.
-  History<T> update(std::size_t layer, TensorView<const T> k, TensorView<const T> v,
-                    std::span<const std::int64_t> positions) {
-    const std::size_t length = check_update(layer, k, v, positions, capacity_);
-    Layer& old = layers_[layer];
-    const std::size_t total = length + k.tokens();
-    // Plain pages, as a framework's allocator gives a concatenation (this is the baseline).
-    constexpr detail::BufferOptions kPlain{.zero_fill = false, .huge_pages = false};
-    Layer grown{detail::AlignedBuffer<T>(elements(total), kPlain), detail::AlignedBuffer<T>(elements(total), kPlain),
-                std::vector<std::int64_t>(total), total};
-    // The allocations above are the only steps that can throw; from here on nothing does.
-    detail::copy_block(view(old.keys, old.tokens).tokens(0, length), view(grown.keys, total).tokens(0, length));
-    detail::copy_block(view(old.values, old.tokens).tokens(0, length), view(grown.values, total).tokens(0, length));
-    detail::copy_block(k, view(grown.keys, total).tokens(length, k.tokens()));
-    detail::copy_block(v, view(grown.values, total).tokens(length, v.tokens()));
-    std::iota(grown.positions.begin(), grown.positions.end(), std::int64_t{0});
-    old = std::move(grown);
-    set_length(layer, total);
-    old.segment = Segment<T>{view(old.keys, total), view(old.values, total), old.positions};
-    return {std::span<const Segment<T>>(&old.segment, 1)};
-  }
+  // update(layer, k, v, positions): same contract as KvCache::update; reallocates the layer's
+  // K and V every time.
+  using detail::ComputeTypeUpdates<ConcatKvCache<T>, T>::update;
 
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
   /// Bytes allocated for K and V now (grows with the sequence).
   [[nodiscard]] std::size_t bytes() const noexcept {
     std::size_t total = 0;
-    for (const Layer& l : layers_) total += l.keys.bytes() + l.values.bytes();
+    for (const Layer& l : layers_) total += l.rows.bytes();
     return total;
   }
 
@@ -76,19 +61,31 @@ class ConcatKvCache : public detail::CacheBase {
   void reset() noexcept { set_all_lengths(0); }
 
  private:
+  friend class detail::ComputeTypeUpdates<ConcatKvCache<T>, T>;
+
   struct Layer {
-    detail::AlignedBuffer<T> keys;
-    detail::AlignedBuffer<T> values;
+    detail::RowStore<T> rows;
     std::vector<std::int64_t> positions;
-    std::size_t tokens = 0;  // tokens the buffers were allocated for
     Segment<T> segment{};
   };
 
-  [[nodiscard]] std::size_t elements(std::size_t tokens) const noexcept {
-    return batch() * kv_heads() * tokens * head_dim();
-  }
-  [[nodiscard]] TensorView<T> view(detail::AlignedBuffer<T>& buffer, std::size_t tokens) const noexcept {
-    return {buffer.data(), {batch(), kv_heads(), tokens, head_dim()}};
+  template <class In>
+  History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
+                   const Positions& positions) {
+    const std::size_t length = check_update(layer, k, v, positions, capacity_);
+    Layer& old = layers_[layer];
+    const std::size_t total = length + k.tokens();
+    // Plain pages, as a framework's allocator gives a concatenation (this is the baseline).
+    constexpr detail::BufferOptions kPlain{.zero_fill = false, .huge_pages = false};
+    Layer grown{detail::RowStore<T>(batch(), kv_heads(), head_dim(), total, kPlain), std::vector<std::int64_t>(total)};
+    // The allocations above are the only steps that can throw; from here on nothing does.
+    if (length != 0) grown.rows.copy(old.rows, 0, length, 0);
+    grown.rows.encode(k, v, 0, k.tokens(), length);
+    std::iota(grown.positions.begin(), grown.positions.end(), std::int64_t{0});
+    old = std::move(grown);
+    set_length(layer, total);
+    old.segment = old.rows.segment(0, total, old.positions);
+    return {std::span<const Segment<T>>(&old.segment, 1)};
   }
 
   std::size_t capacity_;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 
+#include "kvcache/codec.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
@@ -18,11 +19,15 @@ namespace kvcache {
 ///     auto history = cache.update(layer, k, v, positions);
 ///     kvcache::causal_attention(q, positions, history, out);
 ///   }
-template <class C>
-concept kv_cache_protocol = requires(C& cache, const C& view, std::size_t n,
-                                     TensorView<const typename C::value_type> kv,
-                                     std::span<const std::int64_t> positions) {
+///
+/// value_type is the stored format; In is the compute type the model hands k and v in (float
+/// by default, double for double storage): a KvCache<Eigen::bfloat16> is a
+/// kv_cache_protocol<KvCache<Eigen::bfloat16>, float>.
+template <class C, class In = default_input<typename C::value_type>>
+concept kv_cache_protocol = requires(C& cache, const C& view, std::size_t n, TensorView<const In> kv,
+                                     Positions positions) {
   typename C::value_type;
+  requires storage_format<typename C::value_type>;
   { cache.update(n, kv, kv, positions) } -> std::same_as<History<typename C::value_type>>;
   { view.length() } -> std::same_as<std::size_t>;
   { view.length(n) } -> std::same_as<std::size_t>;

@@ -10,25 +10,29 @@
 
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
-#include "kvcache/detail/aligned_buffer.hpp"
+#include "kvcache/codec.hpp"
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
-#include "kvcache/detail/copy.hpp"
+#include "kvcache/detail/row_store.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
 
 /// The default cache: K and V preallocated to `capacity` at construction, 64-byte aligned,
-/// [batch, kv_heads, capacity, head_dim] per layer. An update copies only the new tokens and
+/// [batch, kv_heads, capacity, head_dim] per layer, stored in format T (float, double,
+/// Eigen::half, Eigen::bfloat16, or any format with a storage_codec). It takes k and v in the
+/// engine's compute type and rounds them into T once. An update copies only the new tokens and
 /// never reallocates, so a generation of N tokens costs O(N) copying in all.
 ///
-///   kvcache::KvCache<float> cache({.layers = 4, .kv_heads = 2, .head_dim = 32, .capacity = 1024});
+///   kvcache::KvCache<Eigen::bfloat16> cache({.layers = 4, .kv_heads = 2, .head_dim = 32, .capacity = 1024});
 ///   for (std::size_t layer = 0; layer < cache.layers(); ++layer) {
-///     auto history = cache.update(layer, k, v, positions);  // positions continue cache.length()
+///     auto history = cache.update(layer, k, v, positions);  // float k, v; positions continue cache.length()
 ///     kvcache::causal_attention(q, positions, history, out);
 ///   }
 template <class T>
-class KvCache : public detail::CacheBase {
+class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCache<T>, T> {
+  static_assert(storage_format<T>, "KvCache<T>: T must be a storage format (a type with a storage_codec).");
+
  public:
   using value_type = T;
 
@@ -36,32 +40,29 @@ class KvCache : public detail::CacheBase {
   /// std::length_error for a size whose bytes overflow std::size_t.
   explicit KvCache(const KvCacheConfig& config)
       : CacheBase("KvCache", detail::check_dense_config("KvCache", config)),
-        capacity_(detail::check_footprint("KvCache", geometry(), config.capacity, sizeof(T))),
-        keys_(layer_elements() * layers()),
-        values_(layer_elements() * layers()),
+        capacity_(detail::check_footprint("KvCache", geometry(), config.capacity,
+                                          sizeof(typename storage_codec<T>::unit))),
         positions_(capacity_),
         segments_(layers()) {
     std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
+    rows_.reserve(layers());
+    for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(batch(), kv_heads(), head_dim(), capacity_);
   }
 
-  /// Writes k, v [B, H_kv, T, D] for `positions` (which must continue this layer's length) and
-  /// returns the layer's whole history. Throws std::out_of_range (layer), std::invalid_argument
-  /// (shapes, positions) or std::length_error (capacity); the cache is unchanged then.
-  History<T> update(std::size_t layer, TensorView<const T> k, TensorView<const T> v,
-                    std::span<const std::int64_t> positions) {
-    const std::size_t start = check_update(layer, k, v, positions, capacity_);
-    detail::copy_block(k, storage(keys_, layer).tokens(start, k.tokens()));
-    detail::copy_block(v, storage(values_, layer).tokens(start, v.tokens()));
-    const std::size_t end = start + k.tokens();
-    set_length(layer, end);
-    segments_[layer] = Segment<T>{storage(keys_, layer).tokens(0, end), storage(values_, layer).tokens(0, end),
-                                  std::span<const std::int64_t>(positions_.data(), end)};
-    return {std::span<const Segment<T>>(&segments_[layer], 1)};
-  }
+  // update(layer, k, v, positions), from ComputeTypeUpdates: writes k, v [B, H_kv, T, D] in any
+  // compute type the format accepts for `positions` (which must continue this layer's length)
+  // and returns the layer's whole history. Throws std::out_of_range (layer),
+  // std::invalid_argument (shapes, positions) or std::length_error (capacity); the cache is
+  // unchanged then.
+  using detail::ComputeTypeUpdates<KvCache<T>, T>::update;
 
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
-  /// Bytes allocated for K and V.
-  [[nodiscard]] std::size_t bytes() const noexcept { return keys_.bytes() + values_.bytes(); }
+  /// Bytes allocated for K and V (and their scales, for formats that have them).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t total = 0;
+    for (const auto& r : rows_) total += r.bytes();
+    return total;
+  }
 
   /// Forgets everything after `length` tokens in every layer, copying nothing (rollback; also
   /// repairs a forward pass stopped part-way). std::out_of_range if a layer holds fewer.
@@ -72,16 +73,23 @@ class KvCache : public detail::CacheBase {
   void reset() noexcept { set_all_lengths(0); }
 
  private:
-  [[nodiscard]] std::size_t layer_elements() const noexcept { return batch() * kv_heads() * capacity_ * head_dim(); }
-  [[nodiscard]] TensorView<T> storage(detail::AlignedBuffer<T>& buffer, std::size_t layer) noexcept {
-    return {buffer.data() + layer * layer_elements(), {batch(), kv_heads(), capacity_, head_dim()}};
+  friend class detail::ComputeTypeUpdates<KvCache<T>, T>;
+
+  template <class In>
+  History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
+                   const Positions& positions) {
+    const std::size_t start = check_update(layer, k, v, positions, capacity_);
+    rows_[layer].encode(k, v, 0, k.tokens(), start);
+    const std::size_t end = start + k.tokens();
+    set_length(layer, end);
+    segments_[layer] = rows_[layer].segment(0, end, Positions(positions_.data(), end));
+    return {std::span<const Segment<T>>(&segments_[layer], 1)};
   }
 
   std::size_t capacity_;
-  detail::AlignedBuffer<T> keys_;
-  detail::AlignedBuffer<T> values_;
-  std::vector<std::int64_t> positions_;  // 0, 1, ..., capacity - 1: every layer's key positions
-  std::vector<Segment<T>> segments_;     // per layer, what the last update returned
+  std::vector<detail::RowStore<T>> rows_;  // per layer
+  std::vector<std::int64_t> positions_;    // 0, 1, ..., capacity - 1: every layer's key positions
+  std::vector<Segment<T>> segments_;       // per layer, what the last update returned
 };
 
 static_assert(kv_cache_protocol<KvCache<float>>);

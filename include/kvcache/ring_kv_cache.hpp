@@ -14,11 +14,11 @@
 
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
-#include "kvcache/detail/aligned_buffer.hpp"
+#include "kvcache/codec.hpp"
 #include "kvcache/detail/assert.hpp"
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
-#include "kvcache/detail/copy.hpp"
+#include "kvcache/detail/row_store.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
@@ -37,7 +37,9 @@ namespace kvcache {
 ///   auto history = cache.update(layer, k, v, positions);  // up to 4 segments
 ///   kvcache::causal_attention(q, positions, history, out);
 template <class T>
-class RingKvCache : public detail::CacheBase {
+class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<RingKvCache<T>, T> {
+  static_assert(storage_format<T>, "RingKvCache<T>: T must be a storage format (a type with a storage_codec).");
+
  public:
   using value_type = T;
 
@@ -56,41 +58,20 @@ class RingKvCache : public detail::CacheBase {
                               std::to_string(config.sinks) + " + " + std::to_string(config.window) + " + " +
                               std::to_string(config.slack));
     }
-    detail::check_footprint("RingKvCache", geometry(), slots(), sizeof(T));
+    detail::check_footprint("RingKvCache", geometry(), slots(), sizeof(typename storage_codec<T>::unit));
     layers_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) {
-      layers_.push_back(Layer{detail::AlignedBuffer<T>(elements(slots())), detail::AlignedBuffer<T>(elements(slots())),
-                              std::vector<std::int64_t>(slots(), -1)});
+      layers_.push_back(Layer{Rows(batch(), kv_heads(), head_dim(), slots()), std::vector<std::int64_t>(slots(), -1)});
     }
   }
 
-  /// Writes k, v [B, H_kv, T, D] for `positions` (which must continue this layer's length) and
-  /// returns what attention may read: the sinks, the ring's keys from the first query's window
-  /// on (one or two segments) and, for a long chunk, the chunk itself. Throws std::out_of_range (layer),
-  /// std::invalid_argument (shapes, positions) or std::length_error (capacity); the cache is unchanged then.
-  History<T> update(std::size_t layer, TensorView<const T> k, TensorView<const T> v,
-                    std::span<const std::int64_t> positions) {
-    const std::size_t length = check_update(layer, k, v, positions, capacity_);
-    Layer& state = layers_[layer];
-    const std::size_t tokens = k.tokens();
-    // Writing position p overwrites p - ring: safe while that is older than the chunk's first
-    // query's window, that is for chunks of at most slack + 1 tokens.
-    const bool direct = tokens <= ring_ - window_ + 1;
-    Staging grown;
-    if (!direct && tokens > state.staging.tokens) grown = Staging(elements(tokens), tokens);  // may throw
-    // Nothing below throws.
-    fold_staged(state, length);
-    if (grown.tokens != 0) state.staging = std::move(grown);
-    if (direct) {
-      write(state, k, v, length);
-    } else {
-      detail::copy_block(k, staging_view(state.staging.keys, state.staging.tokens).tokens(0, tokens));
-      detail::copy_block(v, staging_view(state.staging.values, state.staging.tokens).tokens(0, tokens));
-      std::copy(positions.begin(), positions.end(), state.staging.positions.begin());
-    }
-    set_length(layer, length + tokens);
-    return history(state, length, length + tokens);
-  }
+  // update(layer, k, v, positions), from ComputeTypeUpdates: writes k, v [B, H_kv, T, D] in any
+  // compute type the format accepts for `positions` (which must continue this layer's length)
+  // and returns what attention may read: the sinks, the ring's keys from the first query's
+  // window on (one or two segments) and, for a long chunk, the chunk itself. Throws
+  // std::out_of_range (layer), std::invalid_argument (shapes, positions) or std::length_error
+  // (capacity); the cache is unchanged then.
+  using detail::ComputeTypeUpdates<RingKvCache<T>, T>::update;
 
   /// The most tokens a sequence may reach (config.capacity, or unbounded).
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
@@ -102,7 +83,7 @@ class RingKvCache : public detail::CacheBase {
   [[nodiscard]] std::size_t bytes() const noexcept {
     std::size_t total = 0;
     for (const Layer& l : layers_)
-      total += l.keys.bytes() + l.values.bytes() + l.staging.keys.bytes() + l.staging.values.bytes();
+      total += l.rows.bytes() + l.staging.rows.bytes();
     return total;
   }
 
@@ -140,22 +121,20 @@ class RingKvCache : public detail::CacheBase {
   }
 
  private:
+  friend class detail::ComputeTypeUpdates<RingKvCache<T>, T>;
+  using Rows = detail::RowStore<T>;
+
   struct Staging {
     Staging() = default;
-    Staging(std::size_t elements, std::size_t count)
-        : keys(elements, {.zero_fill = false}),
-          values(elements, {.zero_fill = false}),
-          positions(count),
-          tokens(count) {}
-    detail::AlignedBuffer<T> keys;
-    detail::AlignedBuffer<T> values;
+    Staging(const detail::Geometry& g, std::size_t count)
+        : rows(g.batch, g.kv_heads, g.head_dim, count, {.zero_fill = false}), positions(count), tokens(count) {}
+    Rows rows;
     std::vector<std::int64_t> positions;
     std::size_t tokens = 0;  // tokens the staging area can hold
   };
 
   struct Layer {
-    detail::AlignedBuffer<T> keys;        // [B, H, slots, D]
-    detail::AlignedBuffer<T> values;      // [B, H, slots, D]
+    Rows rows;                            // [B, H, slots]
     std::vector<std::int64_t> positions;  // the position each slot holds
     std::size_t stored_end = 0;           // positions below this are in slots (if not overwritten)
     std::size_t oldest = 0;               // no position >= max(sinks, oldest) below stored_end is overwritten
@@ -163,28 +142,46 @@ class RingKvCache : public detail::CacheBase {
     std::array<Segment<T>, 4> segments{};
   };
 
-  [[nodiscard]] std::size_t elements(std::size_t tokens) const noexcept {
-    return batch() * kv_heads() * tokens * head_dim();
+  template <class In>
+  History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
+                   const Positions& positions) {
+    const std::size_t length = check_update(layer, k, v, positions, capacity_);
+    Layer& state = layers_[layer];
+    const std::size_t tokens = k.tokens();
+    // Writing position p overwrites p - ring: safe while that is older than the chunk's first
+    // query's window, that is for chunks of at most slack + 1 tokens.
+    const bool direct = tokens <= ring_ - window_ + 1;
+    Staging grown;
+    if (!direct && tokens > state.staging.tokens) grown = Staging(geometry(), tokens);  // may throw
+    // Nothing below throws.
+    fold_staged(state, length);
+    if (grown.tokens != 0) state.staging = std::move(grown);
+    if (direct) {
+      write(state, length, tokens, [&](std::size_t from, std::size_t count, std::size_t slot) {
+        state.rows.encode(k, v, from, count, slot);
+      });
+    } else {
+      state.staging.rows.encode(k, v, 0, tokens, 0);
+      std::copy(positions.begin(), positions.end(), state.staging.positions.begin());
+    }
+    set_length(layer, length + tokens);
+    return history(state, length, length + tokens);
   }
-  [[nodiscard]] TensorView<T> slot_view(detail::AlignedBuffer<T>& buffer) const noexcept {
-    return {buffer.data(), {batch(), kv_heads(), slots(), head_dim()}};
-  }
-  [[nodiscard]] TensorView<T> staging_view(detail::AlignedBuffer<T>& buffer, std::size_t tokens) const noexcept {
-    return {buffer.data(), {batch(), kv_heads(), tokens, head_dim()}};
-  }
+
   [[nodiscard]] std::size_t slot_of(std::size_t position) const noexcept {
     return position < sinks_ ? position : sinks_ + (position - sinks_) % ring_;
   }
 
-  /// Stores k, v for positions [first, first + T) in their slots, skipping those that later
-  /// positions of the same block would overwrite.
-  void write(Layer& state, const TensorView<const T>& k, const TensorView<const T>& v, std::size_t first) {
-    const std::size_t end = first + k.tokens();
+  /// Stores `tokens` positions from `first` on in their slots, skipping those that later
+  /// positions of the same block would overwrite: put(i, count, slot) stores the block's tokens
+  /// [i, i + count) in slots [slot, slot + count).
+  template <class Put>
+  void write(Layer& state, std::size_t first, std::size_t tokens, const Put& put) {
+    const std::size_t end = first + tokens;
     const auto store_run = [&](std::size_t from, std::size_t to) {  // contiguous slots
       const std::size_t slot = slot_of(from);
       const std::size_t count = to - from;
-      detail::copy_block(k.tokens(from - first, count), slot_view(state.keys).tokens(slot, count));
-      detail::copy_block(v.tokens(from - first, count), slot_view(state.values).tokens(slot, count));
+      put(from - first, count, slot);
       for (std::size_t i = 0; i < count; ++i) state.positions[slot + i] = static_cast<std::int64_t>(from + i);
     };
     if (first < sinks_) store_run(first, std::min(end, sinks_));
@@ -203,8 +200,9 @@ class RingKvCache : public detail::CacheBase {
   void fold_staged(Layer& state, std::size_t length) {
     const std::size_t staged = length - state.stored_end;
     if (staged == 0) return;
-    write(state, staging_view(state.staging.keys, state.staging.tokens).tokens(0, staged),
-          staging_view(state.staging.values, state.staging.tokens).tokens(0, staged), state.stored_end);
+    write(state, state.stored_end, staged, [&](std::size_t from, std::size_t count, std::size_t slot) {
+      state.rows.copy(state.staging.rows, from, count, slot);
+    });
   }
 
   /// The segments attention may read for a layer holding `length` tokens whose queries start at
@@ -212,13 +210,8 @@ class RingKvCache : public detail::CacheBase {
   /// query's window on (older ones, kept for truncate() or overwritten later, no query reads).
   History<T> history(Layer& state, std::size_t first_query, std::size_t length) {
     std::size_t count = 0;
-    const auto add = [&](TensorView<const T> keys, TensorView<const T> values, const std::int64_t* positions,
-                         std::size_t tokens) {
-      state.segments[count++] = Segment<T>{keys, values, std::span<const std::int64_t>(positions, tokens)};
-    };
     const auto add_slots = [&](std::size_t slot, std::size_t tokens) {
-      add(slot_view(state.keys).tokens(slot, tokens), slot_view(state.values).tokens(slot, tokens),
-          state.positions.data() + slot, tokens);
+      state.segments[count++] = state.rows.segment(slot, tokens, Positions(state.positions.data() + slot, tokens));
     };
     if (const std::size_t sink_count = std::min(sinks_, state.stored_end); sink_count != 0) add_slots(0, sink_count);
     const std::size_t window_start = first_query + 1 > window_ ? first_query + 1 - window_ : 0;
@@ -232,9 +225,8 @@ class RingKvCache : public detail::CacheBase {
     }
     if (length > state.stored_end) {
       const std::size_t staged = length - state.stored_end;
-      add(staging_view(state.staging.keys, state.staging.tokens).tokens(0, staged),
-          staging_view(state.staging.values, state.staging.tokens).tokens(0, staged), state.staging.positions.data(),
-          staged);
+      state.segments[count++] =
+          state.staging.rows.segment(0, staged, Positions(state.staging.positions.data(), staged));
     }
     KVCACHE_ASSERT(count <= state.segments.size(), "RingKvCache: more segments than expected");
     return {std::span<const Segment<T>>(state.segments.data(), count), window_, sinks_};

@@ -12,14 +12,18 @@
 // or more segments (a wrapped ring is two, pages would be many), each with the absolute
 // position of every key it holds.
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <ranges>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+
+#include "kvcache/codec.hpp"
 
 namespace kvcache {
 
@@ -168,15 +172,73 @@ template <class E>
 requires detail::RowMajorTensor4<E> || detail::RowMajorMatrix<E> TensorView(E&)
 ->TensorView<std::remove_pointer_t<decltype(std::declval<E&>().data())>>;
 
-/// One contiguous run of a layer's history: keys, values and the absolute position of each key.
-/// keys/values are [B, H_kv, n, D] and positions has n entries, shared by every batch row.
+/// Absolute positions of `tokens` keys or queries for every batch row: one list shared by every
+/// row (row_stride 0), or a list per row, row b's at data + b * row_stride. Converts from a
+/// std::span or any contiguous range of std::int64_t (a shared list).
+class Positions {
+ public:
+  constexpr Positions() noexcept = default;
+  constexpr Positions(const std::int64_t* data, std::size_t tokens, std::size_t row_stride = 0) noexcept
+      : data_(data), tokens_(tokens), row_stride_(row_stride) {}
+  template <std::ranges::contiguous_range R>
+  requires std::is_same_v<std::remove_cv_t<std::ranges::range_value_t<R>>, std::int64_t>
+  constexpr Positions(const R& shared) noexcept  // NOLINT(google-explicit-constructor)
+      : data_(std::ranges::data(shared)), tokens_(std::ranges::size(shared)) {}
+
+  [[nodiscard]] constexpr const std::int64_t* data() const noexcept { return data_; }
+  [[nodiscard]] constexpr std::size_t tokens() const noexcept { return tokens_; }
+  [[nodiscard]] constexpr std::size_t size() const noexcept { return tokens_; }
+  [[nodiscard]] constexpr std::size_t row_stride() const noexcept { return row_stride_; }
+  /// Whether rows have lists of their own.
+  [[nodiscard]] constexpr bool per_row() const noexcept { return row_stride_ != 0; }
+  /// Row b's positions.
+  [[nodiscard]] constexpr std::span<const std::int64_t> row(std::size_t b) const noexcept {
+    return {data_ + b * row_stride_, tokens_};
+  }
+  /// Position j of row 0 (of every row, for a shared list).
+  [[nodiscard]] constexpr std::int64_t operator[](std::size_t j) const noexcept { return data_[j]; }
+  [[nodiscard]] constexpr const std::int64_t* begin() const noexcept { return data_; }
+  [[nodiscard]] constexpr const std::int64_t* end() const noexcept { return data_ + tokens_; }
+
+ private:
+  const std::int64_t* data_ = nullptr;
+  std::size_t tokens_ = 0;
+  std::size_t row_stride_ = 0;
+};
+
+/// One float scale per stored row of a [B, H_kv, n] block, by element strides (a stride of 0
+/// repeats a scale: 0 for tokens is one scale per head). Empty (null) for formats without.
+struct RowScales {
+  const float* data = nullptr;
+  Strides strides{};
+
+  [[nodiscard]] constexpr bool empty() const noexcept { return data == nullptr; }
+  [[nodiscard]] constexpr const float* at(std::size_t b, std::size_t h, std::size_t t) const noexcept {
+    return data + b * strides.batch + h * strides.heads + t * strides.tokens;
+  }
+};
+
+/// One run of a layer's history: keys, values and the absolute position of each key.
+/// keys/values are [B, H_kv, n, units] stored rows of format T (units = storage_codec<T>::units
+/// of the head size: the head size itself for float, double, half and bfloat16); positions
+/// has n entries, shared by every batch row or one list per row; scales, for formats whose rows
+/// carry them; row_tokens, where batch rows hold fewer than n keys (row b reads its first
+/// row_tokens[b]).
 template <class T>
 struct Segment {
-  TensorView<const T> keys;
-  TensorView<const T> values;
-  std::span<const std::int64_t> positions;
+  using unit = typename storage_codec<T>::unit;
+  TensorView<const unit> keys;
+  TensorView<const unit> values;
+  Positions positions;
+  RowScales key_scales{};
+  RowScales value_scales{};
+  std::span<const std::size_t> row_tokens{};
 
-  [[nodiscard]] constexpr std::size_t tokens() const noexcept { return positions.size(); }
+  [[nodiscard]] constexpr std::size_t tokens() const noexcept { return positions.tokens(); }
+  /// Keys batch row b reads.
+  [[nodiscard]] constexpr std::size_t tokens(std::size_t b) const noexcept {
+    return row_tokens.empty() ? tokens() : std::min(tokens(), row_tokens[b]);
+  }
 };
 
 /// Everything attention may read for one layer, returned by a cache's update().

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvcache/codec.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/views.hpp"
 
@@ -69,7 +70,7 @@ class CacheBase {
   /// the layer's length (the first new position).
   template <class T>
   [[nodiscard]] std::size_t check_update(std::size_t layer, const TensorView<const T>& k, const TensorView<const T>& v,
-                                         std::span<const std::int64_t> positions, std::size_t capacity) const {
+                                         const Positions& positions, std::size_t capacity) const {
     const std::size_t start = layer < geometry_.layers ? lengths_[layer] : 0;
     detail::check_update(name_, geometry_, layer, k, v, positions, start, capacity);
     return start;
@@ -111,6 +112,33 @@ class CacheBase {
   std::string_view name_;  // a string literal: the variant's name for messages
   Geometry geometry_;
   std::vector<std::size_t> lengths_;
+};
+
+/// update() for every compute type a format accepts, as plain overloads (not a template), so
+/// that mutable views and Eigen tensors convert on the way in. Each forwards to the variant's
+/// `store<In>(layer, k, v, positions)`.
+template <class Cache, class T>
+class ComputeTypeUpdates {
+ public:
+  History<T> update(std::size_t layer, TensorView<const float> k, TensorView<const float> v,
+                    const Positions& positions) requires accepts_input<T, float> {
+    return self().store(layer, k, v, positions);
+  }
+  History<T> update(std::size_t layer, TensorView<const double> k, TensorView<const double> v,
+                    const Positions& positions) requires accepts_input<T, double> {
+    return self().store(layer, k, v, positions);
+  }
+  History<T> update(std::size_t layer, TensorView<const Eigen::half> k, TensorView<const Eigen::half> v,
+                    const Positions& positions) requires accepts_input<T, Eigen::half> {
+    return self().store(layer, k, v, positions);
+  }
+  History<T> update(std::size_t layer, TensorView<const Eigen::bfloat16> k, TensorView<const Eigen::bfloat16> v,
+                    const Positions& positions) requires accepts_input<T, Eigen::bfloat16> {
+    return self().store(layer, k, v, positions);
+  }
+
+ private:
+  Cache& self() noexcept { return static_cast<Cache&>(*this); }
 };
 
 }  // namespace kvcache::detail

@@ -97,7 +97,7 @@ inline void check_layer(std::string_view call, std::size_t layer, std::size_t la
 /// `layer`, and the most tokens the layer may reach. Messages start "<cache>::update".
 template <class T>
 void check_update(std::string_view cache, const Geometry& g, std::size_t layer, const TensorView<const T>& k,
-                  const TensorView<const T>& v, std::span<const std::int64_t> positions, std::size_t length,
+                  const TensorView<const T>& v, const Positions& positions, std::size_t length,
                   std::size_t capacity) {
   const auto call = [&] { return std::string(cache) + "::update"; };  // built only for a message
   if (layer >= g.layers) check_layer(call(), layer, g.layers);
@@ -115,13 +115,17 @@ void check_update(std::string_view cache, const Geometry& g, std::size_t layer, 
         expected_given(call() + ": v shape", k.shape().str() + " (the shape of k)", v.shape().str()));
   }
   const std::size_t tokens = k.tokens();
+  if (positions.per_row()) {
+    throw std::invalid_argument(call() + ": positions: expected one list shared by every batch row (this cache's " +
+                                "rows advance together), given a list per row");
+  }
   if (positions.size() != tokens) {
     throw std::invalid_argument(expected_given(call() + ": positions count", "k's tokens " + std::to_string(tokens),
                                                std::to_string(positions.size())));
   }
-  if (tokens != 0 && (k.data() == nullptr || v.data() == nullptr)) {
-    throw std::invalid_argument(call() + ": k and v data: expected non-null pointers for " + std::to_string(tokens) +
-                                " tokens, given null");
+  if (tokens != 0 && (k.data() == nullptr || v.data() == nullptr || positions.data() == nullptr)) {
+    throw std::invalid_argument(call() + ": k, v and positions data: expected non-null pointers for " +
+                                std::to_string(tokens) + " tokens, given null");
   }
   for (std::size_t i = 0; i < tokens; ++i) {
     const auto expected = static_cast<std::int64_t>(length + i);

@@ -1,0 +1,211 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Storage codecs: how a format's stored rows are written from an engine's values and read back
+// as floats. A format T (the cache's template parameter) names its codec as
+// storage_codec<T>; the caches write through it and the attention kernel reads through it, and
+// neither ever tests an element type. A new format is a new specialization:
+//
+//   template <> struct kvcache::storage_codec<MyFormat> {
+//     using unit = std::uint8_t;                      // what a stored row is made of
+//     using acc = float;                              // what rows are summed in
+//     static constexpr bool row_scales = true;        // one float scale per stored row
+//     static constexpr std::size_t units(std::size_t head_dim) noexcept;
+//     template <class In> static float encode(const In* in, unit* row, std::size_t head_dim) noexcept;
+//     template <std::size_t B> static Vec<float, B> load(const unit* row, std::size_t d) noexcept;
+//     static float value(const unit* row, std::size_t d) noexcept;
+//   };
+//
+// encode returns the row's scale (ignored without row_scales); load gives the B / 4 values from
+// d on, unscaled; the kernel multiplies a row's products by its scale once.
+
+#include <bit>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kvcache/detail/simd.hpp"
+
+namespace Eigen {
+struct half;
+struct bfloat16;
+}  // namespace Eigen
+
+namespace kvcache {
+
+/// The codec of storage format T; specialize it to add a format.
+template <class T>
+struct storage_codec;
+
+namespace detail {
+
+inline float float_of_bfloat16_bits(std::uint16_t bits) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
+}
+
+inline float float_of_half_bits(std::uint16_t h) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
+  const std::uint32_t magnitude = h & 0x7FFFU;
+  // As in widen_half: the magnitude's bits moved into a float's place are the value times 2^-112.
+  float value = std::bit_cast<float>(magnitude << 13) * 0x1p112F;
+  if (magnitude > 0x7BFFU) value = std::bit_cast<float>((magnitude << 13) | 0x7F800000U);  // inf, NaN
+  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(value) | sign);
+}
+
+/// float to bfloat16 bits, rounded to nearest even; NaN stays NaN.
+inline std::uint16_t bfloat16_bits_of(float x) noexcept {
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(x);
+  if ((bits & 0x7FFFFFFFU) > 0x7F800000U) return static_cast<std::uint16_t>((bits >> 16) | 0x40U);
+  return static_cast<std::uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
+}
+
+/// float to half bits, rounded to nearest even, overflowing to infinity; NaN stays NaN.
+inline std::uint16_t half_bits_of(float x) noexcept {
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(x);
+  const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000U);
+  const std::uint32_t magnitude = bits & 0x7FFFFFFFU;
+  if (magnitude > 0x7F800000U) return static_cast<std::uint16_t>(sign | 0x7E00U);
+  if (magnitude >= 0x477FF000U) return static_cast<std::uint16_t>(sign | 0x7C00U);  // rounds past 65504
+  if (magnitude < 0x38800000U) {
+    // Subnormal half: adding 0.5 makes the float's mantissa hold the half's bits, rounded to
+    // nearest even by the float addition itself.
+    const float shifted = std::bit_cast<float>(magnitude) + 0.5F;
+    return static_cast<std::uint16_t>(sign | (std::bit_cast<std::uint32_t>(shifted) - 0x3F000000U));
+  }
+  const std::uint32_t odd = (magnitude >> 13) & 1U;
+  const std::uint32_t rebased = magnitude - 0x38000000U + 0xFFFU + odd;  // exponent bias 127 -> 15
+  return static_cast<std::uint16_t>(sign | (rebased >> 13));
+}
+
+template <class T>
+inline constexpr bool is_half = std::is_same_v<std::remove_cv_t<T>, Eigen::half>;
+template <class T>
+inline constexpr bool is_bfloat16 = std::is_same_v<std::remove_cv_t<T>, Eigen::bfloat16>;
+
+template <class T>
+inline std::uint16_t bits_of(const T& x) noexcept {
+  static_assert(sizeof(T) == 2, "a 16-bit value");
+  std::uint16_t bits;
+  std::memcpy(&bits, &x, 2);
+  return bits;
+}
+
+/// An engine's value (float, double, Eigen::half, Eigen::bfloat16) as float (double as double).
+template <class In>
+inline auto widen(const In& x) noexcept {
+  if constexpr (is_half<In>) {
+    return float_of_half_bits(bits_of(x));
+  } else if constexpr (is_bfloat16<In>) {
+    return float_of_bfloat16_bits(bits_of(x));
+  } else {
+    return x;
+  }
+}
+
+/// A float (or double) as T, rounded to nearest even once.
+template <class T, class F>
+inline T narrow(F x) noexcept {
+  if constexpr (is_half<T> || is_bfloat16<T>) {
+    const float f = static_cast<float>(x);
+    const std::uint16_t bits = is_half<T> ? half_bits_of(f) : bfloat16_bits_of(f);
+    T out;
+    std::memcpy(static_cast<void*>(&out), &bits, 2);
+    return out;
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+/// Rows of 16-bit floats (half or bfloat16): no scales, widened to float in registers.
+template <class T>
+struct SixteenBitCodec {
+  using unit = T;
+  using acc = float;
+  static constexpr bool row_scales = false;
+  static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
+
+  template <class In>
+  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+    for (std::size_t d = 0; d < head_dim; ++d) {
+      if constexpr (std::is_same_v<In, T>) {
+        row[d] = in[d];
+      } else {
+        row[d] = narrow<T>(widen(in[d]));  // half and bfloat16 widen exactly: one rounding
+      }
+    }
+    return 1.0F;
+  }
+  template <std::size_t B>
+  KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
+    const auto* bits = reinterpret_cast<const std::uint16_t*>(row) + d;
+    if constexpr (is_half<T>) {
+      return widen_half<B>(bits);
+    } else {
+      return widen_bfloat16<B>(bits);
+    }
+  }
+  static float value(const unit* row, std::size_t d) noexcept { return widen(row[d]); }
+};
+
+/// Rows of float or double, read as they are.
+template <class T>
+struct PlainCodec {
+  using unit = T;
+  using acc = T;
+  static constexpr bool row_scales = false;
+  static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
+
+  template <class In>
+  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+    for (std::size_t d = 0; d < head_dim; ++d) row[d] = narrow<T>(widen(in[d]));
+    return 1.0F;
+  }
+  template <std::size_t B>
+  KVCACHE_ALWAYS_INLINE static Vec<T, B> load(const unit* row, std::size_t d) noexcept {
+    return detail::load<Vec<T, B>>(row + d);
+  }
+  static T value(const unit* row, std::size_t d) noexcept { return row[d]; }
+};
+
+}  // namespace detail
+
+template <>
+struct storage_codec<float> : detail::PlainCodec<float> {};
+template <>
+struct storage_codec<double> : detail::PlainCodec<double> {};
+template <>
+struct storage_codec<Eigen::half> : detail::SixteenBitCodec<Eigen::half> {};
+template <>
+struct storage_codec<Eigen::bfloat16> : detail::SixteenBitCodec<Eigen::bfloat16> {};
+
+/// A storage format: a type with a complete storage_codec.
+template <class T>
+concept storage_format = requires(std::size_t n) {
+  typename storage_codec<T>::unit;
+  typename storage_codec<T>::acc;
+  { storage_codec<T>::units(n) } -> std::same_as<std::size_t>;
+  { storage_codec<T>::row_scales } -> std::convertible_to<bool>;
+};
+
+/// A value type an engine computes in: float, double, Eigen::half or Eigen::bfloat16.
+template <class In>
+concept compute_type = std::is_same_v<In, float> || std::is_same_v<In, double> || detail::is_half<In> ||
+                       detail::is_bfloat16<In>;
+
+/// Whether a cache storing T takes k and v of type In: any compute type, but double only where
+/// T is summed in double (a double would otherwise be rounded twice on its way in).
+template <class T, class In>
+inline constexpr bool accepts_input =
+    compute_type<In> && (!std::is_same_v<In, double> || std::is_same_v<typename storage_codec<T>::acc, double>);
+
+/// The type a format is summed in (float, or double for double storage).
+template <class T>
+using acc_type = typename storage_codec<T>::acc;
+
+/// The compute type a cache storing T takes by default: float, or double for double storage.
+template <class T>
+using default_input = std::conditional_t<std::is_same_v<acc_type<T>, double>, double, float>;
+
+}  // namespace kvcache

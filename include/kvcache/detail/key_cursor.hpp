@@ -1,0 +1,132 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The key cursor: walks one (batch row, kv head)'s keys across a history's segments and gathers
+// them into tiles of row addresses, positions and scales. A tile spans segment boundaries, so a
+// history of many short segments (pages, slots) is read in tiles as long as a contiguous one;
+// the passes over a tile never see a segment. Keys no query of the block may see are left out.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+
+#include "kvcache/views.hpp"
+
+namespace kvcache::detail {
+
+/// Which positions a block of queries may read, as bounds: keys after `latest` are invisible to
+/// all of them, and so are keys before `oldest` that are not sinks (positions [0, sinks_end)).
+struct KeyBounds {
+  std::int64_t latest = std::numeric_limits<std::int64_t>::max();
+  std::int64_t oldest = std::numeric_limits<std::int64_t>::min();
+  std::int64_t sinks_end = 0;
+
+  [[nodiscard]] bool keeps(std::int64_t p) const noexcept {
+    return p <= latest && (p >= oldest || (p >= 0 && p < sinks_end));
+  }
+};
+
+/// A tile's keys, in the order read: where each K and V row is, its position and its scales.
+template <class Unit>
+struct TileKeys {
+  const Unit** keys = nullptr;
+  const Unit** values = nullptr;
+  std::int64_t* positions = nullptr;
+  float* key_scales = nullptr;  // null for formats without scales
+  float* value_scales = nullptr;
+  std::size_t count = 0;
+  std::int64_t lowest = 0;  // of the positions gathered
+  std::int64_t highest = 0;
+  bool ascending = true;  // positions[i] <= positions[i + 1] throughout
+};
+
+/// Walks keys [first, first + count) of batch row b, kv head h, in the history's order (segment
+/// by segment, row b reading segment s's first tokens(b) keys).
+template <class T>
+class KeyCursor {
+ public:
+  using Unit = typename Segment<T>::unit;
+
+  KeyCursor(std::span<const Segment<T>> segments, std::size_t b, std::size_t h, std::size_t first,
+            std::size_t count) noexcept
+      : segments_(segments), b_(b), h_(h), left_(count) {
+    while (segment_ < segments_.size() && first >= segments_[segment_].tokens(b_)) {
+      first -= segments_[segment_].tokens(b_);
+      ++segment_;
+    }
+    key_ = first;
+  }
+
+  [[nodiscard]] bool done() const noexcept { return left_ == 0 || segment_ >= segments_.size(); }
+
+  /// Gathers the next keys that `bounds` keeps into `tile`, up to `room` of them; returns false
+  /// once no key is left.
+  bool next(TileKeys<Unit>& tile, std::size_t room, const KeyBounds& bounds) noexcept {
+    tile.count = 0;
+    tile.ascending = true;
+    tile.lowest = std::numeric_limits<std::int64_t>::max();
+    tile.highest = std::numeric_limits<std::int64_t>::min();
+    while (tile.count < room && !done()) {
+      const Segment<T>& s = segments_[segment_];
+      const std::size_t n = std::min({s.tokens(b_) - key_, left_, room - tile.count});
+      gather(s, key_, n, tile, bounds);
+      key_ += n;
+      left_ -= n;
+      if (key_ == s.tokens(b_)) {
+        ++segment_;
+        key_ = 0;
+      }
+    }
+    return tile.count != 0 || !done();
+  }
+
+ private:
+  /// Adds the kept keys among [from, from + n) of segment s.
+  void gather(const Segment<T>& s, std::size_t from, std::size_t n, TileKeys<Unit>& tile,
+              const KeyBounds& bounds) const noexcept {
+    const std::int64_t* p = s.positions.row(b_).data() + from;
+    std::int64_t low = p[0];
+    std::int64_t high = p[0];
+    bool ascending = true;
+    for (std::size_t i = 1; i < n; ++i) {
+      low = std::min(low, p[i]);
+      high = std::max(high, p[i]);
+      ascending = ascending && p[i - 1] <= p[i];
+    }
+    if (high < bounds.oldest && (low >= bounds.sinks_end || high < 0)) return;  // before every window, no sink
+    if (low > bounds.latest) return;
+    const bool all = bounds.keeps(low) && bounds.keeps(high) && (low >= bounds.oldest || high < bounds.sinks_end);
+    const Unit* k = s.keys.row(b_, h_, from);
+    const Unit* v = s.values.row(b_, h_, from);
+    const std::size_t ks = s.keys.strides().tokens;
+    const std::size_t vs = s.values.strides().tokens;
+    std::size_t t = tile.count;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!all && !bounds.keeps(p[i])) continue;
+      tile.keys[t] = k + i * ks;
+      tile.values[t] = v + i * vs;
+      tile.positions[t] = p[i];
+      if (tile.key_scales != nullptr) {
+        tile.key_scales[t] = s.key_scales.empty() ? 1.0F : *s.key_scales.at(b_, h_, from + i);
+        tile.value_scales[t] = s.value_scales.empty() ? 1.0F : *s.value_scales.at(b_, h_, from + i);
+      }
+      ++t;
+    }
+    if (t == tile.count) return;
+    tile.ascending = tile.ascending && ascending && (tile.count == 0 || tile.positions[tile.count - 1] <= p[0]);
+    tile.lowest = std::min(tile.lowest, low);
+    tile.highest = std::max(tile.highest, high);
+    tile.count = t;
+  }
+
+  std::span<const Segment<T>> segments_;
+  std::size_t b_;
+  std::size_t h_;
+  std::size_t left_;
+  std::size_t segment_ = 0;
+  std::size_t key_ = 0;
+};
+
+}  // namespace kvcache::detail

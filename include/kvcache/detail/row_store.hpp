@@ -1,0 +1,108 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+
+#include "kvcache/codec.hpp"
+#include "kvcache/detail/aligned_buffer.hpp"
+#include "kvcache/views.hpp"
+
+namespace kvcache::detail {
+
+/// K and V rows of format T for a [batch, heads, slots] block, with their scales where the
+/// format has them: what every cache variant keeps its tokens in. Rows are written once from
+/// the engine's values through the codec (encode) and afterwards only copied as stored bytes,
+/// never converted again.
+template <class T>
+class RowStore {
+ public:
+  using Codec = storage_codec<T>;
+  using Unit = typename Codec::unit;
+
+  RowStore() = default;
+  RowStore(std::size_t batch, std::size_t heads, std::size_t head_dim, std::size_t slots, BufferOptions options = {})
+      : batch_(batch),
+        heads_(heads),
+        head_dim_(head_dim),
+        units_(Codec::units(head_dim)),
+        slots_(slots),
+        keys_(batch * heads * slots * units_, options),
+        values_(batch * heads * slots * units_, options),
+        key_scales_(Codec::row_scales ? batch * heads * slots : 0, options),
+        value_scales_(Codec::row_scales ? batch * heads * slots : 0, options) {}
+
+  [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    return keys_.bytes() + values_.bytes() + key_scales_.bytes() + value_scales_.bytes();
+  }
+
+  /// Stores tokens [first, first + count) of k and v ([B, H, T, D]) in slots [slot, slot + count).
+  template <class In>
+  void encode(const TensorView<const In>& k, const TensorView<const In>& v, std::size_t first, std::size_t count,
+              std::size_t slot) noexcept {
+    for (std::size_t b = 0; b < batch_; ++b) {
+      for (std::size_t h = 0; h < heads_; ++h) {
+        for (std::size_t i = 0; i < count; ++i) {
+          const std::size_t at = index(b, h, slot + i);
+          const float ks = Codec::encode(k.row(b, h, first + i), keys_.data() + at * units_, head_dim_);
+          const float vs = Codec::encode(v.row(b, h, first + i), values_.data() + at * units_, head_dim_);
+          if constexpr (Codec::row_scales) {
+            key_scales_.data()[at] = ks;
+            value_scales_.data()[at] = vs;
+          }
+        }
+      }
+    }
+  }
+
+  /// Copies the stored rows of slots [from_slot, from_slot + count) of `from` to [slot, ...).
+  void copy(const RowStore& from, std::size_t from_slot, std::size_t count, std::size_t slot) noexcept {
+    for (std::size_t b = 0; b < batch_; ++b) {
+      for (std::size_t h = 0; h < heads_; ++h) {
+        const std::size_t src = from.index(b, h, from_slot);
+        const std::size_t dst = index(b, h, slot);
+        std::memcpy(static_cast<void*>(keys_.data() + dst * units_), from.keys_.data() + src * units_,
+                    count * units_ * sizeof(Unit));
+        std::memcpy(static_cast<void*>(values_.data() + dst * units_), from.values_.data() + src * units_,
+                    count * units_ * sizeof(Unit));
+        if constexpr (Codec::row_scales) {
+          std::copy_n(from.key_scales_.data() + src, count, key_scales_.data() + dst);
+          std::copy_n(from.value_scales_.data() + src, count, value_scales_.data() + dst);
+        }
+      }
+    }
+  }
+
+  /// Slots [slot, slot + count) as a segment with the given positions.
+  [[nodiscard]] Segment<T> segment(std::size_t slot, std::size_t count, Positions positions) const noexcept {
+    const Shape shape{batch_, heads_, count, units_};
+    const Strides strides{heads_ * slots_ * units_, slots_ * units_, units_};
+    Segment<T> s{TensorView<const Unit>(keys_.data() + slot * units_, shape, strides),
+                 TensorView<const Unit>(values_.data() + slot * units_, shape, strides), positions};
+    if constexpr (Codec::row_scales) {
+      const Strides scale_strides{heads_ * slots_, slots_, 1};
+      s.key_scales = RowScales{key_scales_.data() + slot, scale_strides};
+      s.value_scales = RowScales{value_scales_.data() + slot, scale_strides};
+    }
+    return s;
+  }
+
+ private:
+  [[nodiscard]] std::size_t index(std::size_t b, std::size_t h, std::size_t slot) const noexcept {
+    return (b * heads_ + h) * slots_ + slot;
+  }
+
+  std::size_t batch_ = 0;
+  std::size_t heads_ = 0;
+  std::size_t head_dim_ = 0;
+  std::size_t units_ = 0;
+  std::size_t slots_ = 0;
+  AlignedBuffer<Unit> keys_;
+  AlignedBuffer<Unit> values_;
+  AlignedBuffer<float> key_scales_;
+  AlignedBuffer<float> value_scales_;
+};
+
+}  // namespace kvcache::detail

@@ -1,0 +1,228 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Vector registers for the attention kernel and the storage codecs: GCC/Clang vector
+// extensions of B bytes, where B is at most the width the including translation unit is
+// compiled for (the library is header-only, so that is the user's -m flags). One source serves
+// SSE2, AVX2 and AVX-512; only the half-precision conversion asks for an instruction (F16C).
+
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if !defined(__GNUC__) && !defined(__clang__)
+#error "kvcache's attention needs GCC or Clang vector extensions"
+#endif
+
+#define KVCACHE_ALWAYS_INLINE __attribute__((always_inline))
+
+namespace kvcache::detail {
+
+#if defined(__AVX512F__)
+inline constexpr std::size_t kNativeBytes = 64;
+#elif defined(__AVX__)
+inline constexpr std::size_t kNativeBytes = 32;
+#else
+inline constexpr std::size_t kNativeBytes = 16;
+#endif
+
+/// Vector registers the instruction set has (AVX-512: 32; SSE2 and AVX2: 16).
+inline constexpr std::size_t kRegisters = kNativeBytes == 64 ? 32 : 16;
+
+template <class E, std::size_t B>
+struct VectorOf;
+#define KVCACHE_VECTOR_OF(E, B)                     \
+  template <>                                       \
+  struct VectorOf<E, B> {                           \
+    typedef E type __attribute__((vector_size(B)));  \
+  };
+#define KVCACHE_VECTORS_OF(E) KVCACHE_VECTOR_OF(E, 16) KVCACHE_VECTOR_OF(E, 32) KVCACHE_VECTOR_OF(E, 64)
+KVCACHE_VECTORS_OF(float)
+KVCACHE_VECTORS_OF(double)
+KVCACHE_VECTORS_OF(std::int32_t)
+KVCACHE_VECTORS_OF(std::uint32_t)
+KVCACHE_VECTORS_OF(std::uint16_t)
+KVCACHE_VECTOR_OF(std::uint16_t, 8)
+#undef KVCACHE_VECTORS_OF
+#undef KVCACHE_VECTOR_OF
+
+/// A register of B bytes of E.
+template <class E, std::size_t B>
+using Vec = typename VectorOf<E, B>::type;
+
+/// Lanes of a register type.
+template <class V>
+inline constexpr std::size_t kLanes = sizeof(V) / sizeof(V{}[0]);
+
+/// Calls f(integral_constant<i>) for i in [0, N), unrolled, so arrays of registers stay in
+/// registers.
+template <std::size_t N, class F>
+KVCACHE_ALWAYS_INLINE inline void unroll(const F& f) noexcept {
+  [&]<std::size_t... I>(std::index_sequence<I...>) KVCACHE_ALWAYS_INLINE {
+    (f(std::integral_constant<std::size_t, I>{}), ...);
+  }
+  (std::make_index_sequence<N>{});
+}
+
+template <class V>
+KVCACHE_ALWAYS_INLINE inline V load(const void* p) noexcept {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <class V>
+KVCACHE_ALWAYS_INLINE inline void store(void* p, const V& v) noexcept {
+  std::memcpy(p, &v, sizeof v);
+}
+
+template <class V, class E>
+KVCACHE_ALWAYS_INLINE inline V splat(E x) noexcept {
+  return static_cast<std::remove_cvref_t<decltype(V{}[0])>>(x) - V{};
+}
+
+/// A register of floats from one of bfloat16 bit patterns: each is a float's top half.
+template <std::size_t B>
+KVCACHE_ALWAYS_INLINE inline Vec<float, B> widen_bfloat16(const std::uint16_t* p) noexcept {
+  const auto bits = __builtin_convertvector(load<Vec<std::uint16_t, B / 2>>(p), Vec<std::uint32_t, B>);
+  return std::bit_cast<Vec<float, B>>(bits << 16);
+}
+
+/// A register of floats from one of half-precision bit patterns, exactly: F16C where the
+/// build has it, else integer operations and one multiply.
+template <std::size_t B>
+KVCACHE_ALWAYS_INLINE inline Vec<float, B> widen_half(const std::uint16_t* p) noexcept {
+#if defined(__AVX512F__)
+  if constexpr (B == 64) {
+    return std::bit_cast<Vec<float, B>>(
+        _mm512_maskz_cvtph_ps(static_cast<__mmask16>(0xFFFF), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+#endif
+#if defined(__F16C__)
+  if constexpr (B == 32) return std::bit_cast<Vec<float, B>>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  if constexpr (B == 16) return std::bit_cast<Vec<float, B>>(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+  using Bits = Vec<std::uint32_t, B>;
+  const Bits bits = __builtin_convertvector(load<Vec<std::uint16_t, B / 2>>(p), Bits);
+  const Bits magnitude = bits & 0x7FFFU;
+  // Exponent and mantissa where a float keeps them read as the half's value times 2^-112
+  // (subnormals included); one exact multiply rebases the exponent. Inf and NaN get a float's
+  // all-ones exponent.
+  const Bits scaled = std::bit_cast<Bits>(std::bit_cast<Vec<float, B>>(magnitude << 13) * 0x1p112F);
+  const Bits special = std::bit_cast<Bits>(std::bit_cast<Vec<std::int32_t, B>>(magnitude) > 0x7BFF);
+  return std::bit_cast<Vec<float, B>>(scaled | (special & 0x7F800000U) | ((bits & 0x8000U) << 16));
+}
+
+/// Lane l of one half of a pair sum over blocks of 2h lanes: the low (or high) h lanes of each
+/// block of x, then those of the same block of y (lane w + i is y[i]).
+constexpr int pair_lane(std::size_t w, std::size_t h, bool high, std::size_t l) noexcept {
+  const std::size_t block = l / (2 * h) * (2 * h);
+  const std::size_t i = l % (2 * h);
+  const std::size_t offset = high ? h : 0;
+  return static_cast<int>(i < h ? block + offset + i : w + block + offset + i - h);
+}
+
+template <std::size_t H, bool High, class V, std::size_t... L>
+KVCACHE_ALWAYS_INLINE inline V pick_halves(const V& x, const V& y, std::index_sequence<L...>) noexcept {
+  return __builtin_shufflevector(x, y, pair_lane(sizeof...(L), H, High, L)...);
+}
+
+/// The index whose log2(w) low bits are those of i reversed.
+constexpr std::size_t reverse_bits(std::size_t i, std::size_t w) noexcept {
+  std::size_t r = 0;
+  for (std::size_t bit = 1; bit < w; bit <<= 1, i >>= 1) r = (r << 1) | (i & 1);
+  return r;
+}
+
+/// Sums N = W registers into one whose lane l is the sum of a[l]'s lanes: each level adds the
+/// low and high halves of every block of a pair, W - 1 pair sums in all instead of W horizontal
+/// reductions.
+template <class V, std::size_t N, std::size_t H = kLanes<V> / 2>
+KVCACHE_ALWAYS_INLINE inline V transpose_sum(const V (&a)[N]) noexcept {
+  constexpr std::size_t W = kLanes<V>;
+  if constexpr (N == 1) {
+    return a[0];
+  } else {
+    static_assert(N % 2 == 0 && H >= 1, "transpose_sum: N must be a power of two no larger than the lanes.");
+    V b[N / 2];
+    unroll<N / 2>([&](auto i) KVCACHE_ALWAYS_INLINE {
+      // The top level pairs registers in bit-reversed order, so lane l ends up with a[l].
+      constexpr std::size_t x = N == W ? reverse_bits(2 * i, W) : 2 * i;
+      constexpr std::size_t y = N == W ? reverse_bits(2 * i + 1, W) : 2 * i + 1;
+      b[i] = pick_halves<H, false>(a[x], a[y], std::make_index_sequence<W>{}) +
+             pick_halves<H, true>(a[x], a[y], std::make_index_sequence<W>{});
+    });
+    return transpose_sum<V, N / 2, H / 2>(b);
+  }
+}
+
+template <class V>
+inline auto reduce_add(const V& v) noexcept {
+  auto s = v[0];
+  for (std::size_t i = 1; i < kLanes<V>; ++i) s += v[i];
+  return s;
+}
+
+template <class V>
+inline auto reduce_max(const V& v) noexcept {
+  auto s = v[0];
+  for (std::size_t i = 1; i < kLanes<V>; ++i) s = s > v[i] ? s : v[i];
+  return s;
+}
+
+/// Unsigned integers of the size of F (a float, or a register of floats).
+template <class F>
+struct BitsOf {
+  using type = Vec<std::uint32_t, sizeof(F)>;
+};
+template <>
+struct BitsOf<float> {
+  using type = std::uint32_t;
+};
+
+/// e^x for x <= 0 on a float or lane by lane: 0 below -87 (and for -inf, a masked score),
+/// within 1 ulp elsewhere, with no call and no float-to-int conversion, so loops vectorize.
+template <class F>
+KVCACHE_ALWAYS_INLINE inline F exp_nonpositive(const F& x) noexcept {
+  using Bits = typename BitsOf<F>::type;
+  const F floor = F{} - 87.0F;
+  const F xc = x < floor ? floor : x;
+  // x = i ln2 + f, |f| <= ln2 / 2: adding 1.5 * 2^23 rounds x / ln2 to i in the low mantissa bits.
+  const F shifted = xc * 1.44269504088896341F + 12582912.0F;
+  const F r = shifted - 12582912.0F;
+  const F f = (xc - r * 0.693359375F) + r * 2.12194440e-4F;
+  F p = F{} + 1.9875691500e-4F;
+  p = p * f + 1.3981999507e-3F;
+  p = p * f + 8.3334519073e-3F;
+  p = p * f + 4.1665795894e-2F;
+  p = p * f + 1.6666665459e-1F;
+  p = p * f + 5.0000001201e-1F;
+  const F e = p * f * f + f + 1.0F;
+  const F two_i = std::bit_cast<F>((std::bit_cast<Bits>(shifted) + (127U - 0x400000U)) << 23);
+  const F keep = x < floor ? F{} : F{} + 1.0F;
+  return e * two_i * keep;
+}
+
+inline double exp_nonpositive(double x) noexcept { return x == -HUGE_VAL ? 0.0 : std::exp(x); }
+
+template <class V>
+requires std::is_same_v<V, Vec<double, sizeof(V)>>
+inline V exp_nonpositive(const V& x) noexcept {
+  V out;
+  for (std::size_t i = 0; i < kLanes<V>; ++i) out[i] = exp_nonpositive(x[i]);
+  return out;
+}
+
+/// Asks for the cache line at p to be brought towards L1 ahead of its use.
+KVCACHE_ALWAYS_INLINE inline void prefetch(const void* p) noexcept { __builtin_prefetch(p, 0, 3); }
+
+}  // namespace kvcache::detail
