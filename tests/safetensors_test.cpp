@@ -363,6 +363,24 @@ TEST_F(Checkpoint, MissingTensorNamesItAndTheFiles) {
   }
 }
 
+TEST_F(Checkpoint, DirectoryWithATrailingSlashIsNamedInMessages) {
+  const qwen3::Weights w = qwen3::random_weights(tiny_config());
+  qwen3::save_checkpoint(dir_, w);
+  // The checkpoint itself loads through any spelling of its directory.
+  for (const std::string& spelling : {dir_.string() + "/", dir_.string() + "/.", dir_.string() + "//"}) {
+    EXPECT_EQ(qwen3::load_checkpoint(spelling).config.layers, 2U) << spelling;
+  }
+  st::write(dir_ / "model.safetensors", {});
+  for (const std::string& spelling : {dir_.string() + "/", dir_.string() + "/.", dir_.string() + "/sub/.."}) {
+    try {
+      (void)qwen3::load_checkpoint(spelling);
+      ADD_FAILURE() << "loaded a checkpoint with no tensors: " << spelling;
+    } catch (const st::Error& e) {
+      EXPECT_THAT(e.what(), ::testing::StartsWith(dir_.filename().string() + ": tensor '")) << spelling;
+    }
+  }
+}
+
 TEST_F(Checkpoint, WrongShapeDuplicateAndStrayTensorsAreErrors) {
   const qwen3::Weights w = qwen3::random_weights(tiny_config());
   qwen3::save_checkpoint(dir_, w);

@@ -171,17 +171,31 @@ inline std::string read_text(const std::filesystem::path& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
+/// `dir` without "." or ".." or a trailing separator: messages name a directory by its
+/// filename(), which is empty for "ckpt/" and "." for "ckpt/.". Canonical, so that ".." after
+/// a symbolic link goes where the system would take it.
+inline std::filesystem::path directory(const std::filesystem::path& dir) {
+  const std::filesystem::path given = dir.empty() ? "." : dir;
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::weakly_canonical(given, ec);
+  if (ec) p = given.lexically_normal();  // then opening the files reports the problem
+  if (!p.has_filename() && p.has_relative_path()) p = p.parent_path();
+  return p;
+}
+
 }  // namespace detail
 
 /// The Config in `dir`/config.json.
 [[nodiscard]] inline Config load_config(const std::filesystem::path& dir) {
-  return parse_config(detail::read_text(dir / "config.json"), (dir / "config.json").filename().string());
+  const std::filesystem::path path = detail::directory(dir) / "config.json";
+  return parse_config(detail::read_text(path), path.filename().string());
 }
 
 /// Every tensor of the model described by `dir`/config.json, from the .safetensors files in
 /// `dir`. safetensors::Error, naming the file and the tensor, for a malformed file, a tensor
 /// missing, found twice, not part of the model, or of the wrong shape.
-[[nodiscard]] inline Weights load_checkpoint(const std::filesystem::path& dir) {
+[[nodiscard]] inline Weights load_checkpoint(const std::filesystem::path& given) {
+  const std::filesystem::path dir = detail::directory(given);
   const Config config = load_config(dir);
   std::vector<std::filesystem::path> paths;
   std::error_code ec;
