@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The checkpoint readers: the strict JSON parser, the safetensors reader on crafted malformed
 // files (each must fail with a message naming the file and the tensor), the 16-bit
-// conversions, and a round trip of the tiny model through F32, BF16 and F16 files.
+// conversions, a round trip of the tiny model through F32, BF16 and F16 files, sharded
+// checkpoints with Hugging Face's index, and config.json as its versions write it.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -419,6 +421,133 @@ TEST_F(Checkpoint, WrongShapeDuplicateAndStrayTensorsAreErrors) {
   // A malformed file among good ones is reported as itself.
   std::ofstream(dir_ / "broken.safetensors", std::ios::binary) << "xy";
   expect_error({"broken.safetensors", "truncated"});
+}
+
+// ---- sharded checkpoints with an index ------------------------------------------------------
+
+using WeightMap = std::map<std::string, std::string>;  // tensor -> shard file name
+
+/// What the shards in `dir` hold, as the index's weight_map would say.
+WeightMap weight_map_of(const fs::path& dir) {
+  WeightMap map;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    const st::File file = st::File::open(entry.path());
+    for (const st::TensorInfo& t : file.tensors()) map.emplace(t.name, entry.path().filename().string());
+  }
+  return map;
+}
+
+/// Writes `dir`/model.safetensors.index.json as Hugging Face lays it out.
+void write_index(const fs::path& dir, const WeightMap& map) {
+  std::ofstream out(dir / "model.safetensors.index.json", std::ios::binary);
+  out << "{\n  \"metadata\": {\"total_size\": 123456},\n  \"weight_map\": {";
+  const char* separator = "\n";
+  for (const auto& [tensor, shard] : map) {
+    out << separator << "    " << qwen3::json::quote(tensor) << ": " << qwen3::json::quote(shard);
+    separator = ",\n";
+  }
+  out << "\n  }\n}\n";
+}
+
+/// A tied two-shard checkpoint of `w` in `dir` with its index, as Hugging Face writes one.
+WeightMap save_indexed(const fs::path& dir, const qwen3::Weights& w) {
+  qwen3::save_checkpoint(dir, w, st::Dtype::f32, 2);
+  WeightMap map = weight_map_of(dir);
+  write_index(dir, map);
+  return map;
+}
+
+/// The message of the safetensors::Error that loading `dir` throws (empty if none).
+std::string load_error(const fs::path& dir) {
+  try {
+    (void)qwen3::load_checkpoint(dir);
+  } catch (const st::Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+const char* const shard1 = "model-00001-of-00002.safetensors";
+const char* const shard2 = "model-00002-of-00002.safetensors";
+
+TEST_F(Checkpoint, IndexPicksTheShardsAndOtherFilesAreIgnored) {
+  const qwen3::Weights w = qwen3::random_weights(tiny_config(), 7);
+  const WeightMap map = save_indexed(dir_, w);
+  ASSERT_EQ(map.at("model.embed_tokens.weight"), shard1);
+  ASSERT_EQ(map.at("model.norm.weight"), shard2);
+  // A single-file copy beside the shards, with other values (as some repositories ship): the
+  // index says where each tensor is, so it is not read, nor is its duplicate an error.
+  const std::vector<float> other(128, 9.0F);
+  st::write(dir_ / "consolidated.safetensors", {{"model.norm.weight", st::Dtype::f32, {128}, other}});
+  const qwen3::Weights loaded = qwen3::load_checkpoint(dir_);
+  EXPECT_EQ(loaded.final_norm, w.final_norm);
+  const auto tokens = some_tokens();
+  EXPECT_EQ(max_abs_diff(qwen3::Model(loaded).forward_uncached(tokens), qwen3::Model(w).forward_uncached(tokens)), 0.0);
+}
+
+TEST_F(Checkpoint, IndexNamingAMissingShardNamesTheShard) {
+  save_indexed(dir_, qwen3::random_weights(tiny_config()));
+  fs::remove(dir_ / shard2);
+  // The directory is named as a canonical path, which may differ from dir_ by a symbolic link.
+  EXPECT_THAT(load_error(dir_),
+              AllOf(HasSubstr(std::string("shard ") + shard2 + " named by model.safetensors.index.json: not found in "),
+                    HasSubstr(dir_.filename().string() + " (the index places "), HasSubstr(" tensors there)")));
+}
+
+TEST_F(Checkpoint, IndexAndShardsThatDisagreeAreErrors) {
+  const qwen3::Weights w = qwen3::random_weights(tiny_config());
+  WeightMap map = save_indexed(dir_, w);
+  // The second shard rewritten without a tensor the index places in it.
+  const std::string dropped = "model.norm.weight";
+  std::vector<st::TensorToWrite> rest;
+  const st::File second = st::File::open(dir_ / shard2);
+  qwen3::for_each_tensor(w, [&](const std::string& name, const auto& t, const std::vector<std::size_t>& shape) {
+    if (name != dropped && second.find(name) != nullptr) {
+      rest.push_back({name,
+                      st::Dtype::f32,
+                      {shape.begin(), shape.end()},
+                      std::span<const float>(t.data(), static_cast<std::size_t>(t.size()))});
+    }
+  });
+  st::write(dir_ / shard2, rest);
+  EXPECT_THAT(load_error(dir_), AllOf(HasSubstr("model.safetensors.index.json: tensor '" + dropped + "'"),
+                                      HasSubstr(std::string("not found in ") + shard2)));
+  // The index without it: then it is a tensor of the model that no shard holds.
+  map.erase(dropped);
+  write_index(dir_, map);
+  EXPECT_THAT(load_error(dir_),
+              HasSubstr("model.safetensors.index.json: tensor '" + dropped + "' not found in the weight_map"));
+  // A shard holding a tensor the index places in the other shard, or does not name.
+  save_indexed(dir_, w);
+  map = weight_map_of(dir_);
+  map["model.embed_tokens.weight"] = shard2;
+  write_index(dir_, map);
+  EXPECT_THAT(load_error(dir_), HasSubstr(std::string(shard1) +
+                                          ": tensor 'model.embed_tokens.weight': model.safetensors.index.json "
+                                          "places it in " +
+                                          shard2));
+  map.erase("model.embed_tokens.weight");
+  write_index(dir_, map);
+  EXPECT_THAT(load_error(dir_), HasSubstr(std::string(shard1) + ": tensor 'model.embed_tokens.weight': not in the "
+                                                                "weight_map of model.safetensors.index.json"));
+}
+
+TEST_F(Checkpoint, MalformedIndexIsAnError) {
+  save_indexed(dir_, qwen3::random_weights(tiny_config()));
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"metadata": {}})", "weight_map: missing"},
+      {R"({"weight_map": []})", "weight_map: expected an object, given an array"},
+      {R"({"weight_map": {"model.norm.weight": 2}})", "weight_map['model.norm.weight']: expected a file name"},
+      {R"({"weight_map": {"model.norm.weight": "../model.safetensors"}})",
+       R"(expected a file name in the same directory, given the string "../model.safetensors")"},
+      {R"({"weight_map": {"model.norm.weight": ""}})", "expected a file name"},
+      {R"({"weight_map": {},})", "not valid JSON"},
+  };
+  for (const auto& [text, message] : cases) {
+    std::ofstream(dir_ / "model.safetensors.index.json", std::ios::binary | std::ios::trunc) << text;
+    EXPECT_THAT(load_error(dir_), AllOf(HasSubstr("model.safetensors.index.json: "), HasSubstr(message))) << text;
+  }
 }
 
 TEST(Config, ParsesAQwen3ConfigAndRejectsOthers) {

@@ -2,7 +2,8 @@
 #pragma once
 
 // A Hugging Face style checkpoint directory: config.json plus one or more .safetensors files
-// with names such as model.layers.0.self_attn.q_proj.weight (F32, F16 or BF16).
+// with names such as model.layers.0.self_attn.q_proj.weight (F32, F16 or BF16), and when
+// sharded model.safetensors.index.json saying which file holds which tensor.
 //
 //   qwen3::Model model(qwen3::load_checkpoint("path/to/Qwen3-0.6B"));
 //   qwen3::save_checkpoint("tiny", qwen3::random_weights(qwen3::Config{}), qwen3::safetensors::Dtype::bf16);
@@ -183,6 +184,35 @@ inline std::filesystem::path directory(const std::filesystem::path& dir) {
   return p;
 }
 
+/// The index of a sharded checkpoint, beside its shards.
+inline constexpr const char* index_name = "model.safetensors.index.json";
+
+/// The weight_map of the index at `path`: tensor name -> shard file name. safetensors::Error
+/// naming the index for malformed JSON or a shard that is not a file name beside it.
+inline std::map<std::string, std::string> read_index(const std::filesystem::path& path) {
+  const auto fail = [&](const std::string& message) { config_error(path.filename().string(), message); };
+  json::Value root;
+  try {
+    root = json::parse(read_text(path));
+  } catch (const json::Error& e) {
+    fail(std::string("not valid JSON: ") + e.what());
+  }
+  if (!root.is_object()) fail(std::string("expected a JSON object, given ") + root.kind());
+  const json::Value* map = root.find("weight_map");
+  if (map == nullptr) fail("weight_map: missing");
+  if (!map->is_object()) fail(std::string("weight_map: expected an object, given ") + map->kind());
+  std::map<std::string, std::string> shards;
+  for (const auto& [tensor, shard] : map->as_object()) {
+    // A path with a directory in it would read outside the checkpoint; shards sit beside the index.
+    const std::string where = "weight_map['" + tensor + "']: expected a file name in the same directory, given ";
+    if (!shard.is_string()) fail(where + shard.describe());
+    const std::filesystem::path name(shard.as_string());
+    if (name.empty() || name != name.filename() || name == "." || name == "..") fail(where + shard.describe());
+    shards.emplace(tensor, shard.as_string());
+  }
+  return shards;
+}
+
 }  // namespace detail
 
 /// The Config in `dir`/config.json.
@@ -191,19 +221,38 @@ inline std::filesystem::path directory(const std::filesystem::path& dir) {
   return parse_config(detail::read_text(path), path.filename().string());
 }
 
-/// Every tensor of the model described by `dir`/config.json, from the .safetensors files in
-/// `dir`. safetensors::Error, naming the file and the tensor, for a malformed file, a tensor
-/// missing, found twice, not part of the model, or of the wrong shape.
-[[nodiscard]] inline Weights load_checkpoint(const std::filesystem::path& given) {
-  const std::filesystem::path dir = detail::directory(given);
-  const Config config = load_config(dir);
-  std::vector<std::filesystem::path> paths;
+/// Every tensor of the model described by `dir`/config.json, from the .safetensors files that
+/// `dir`/model.safetensors.index.json names (Hugging Face's sharded layout: each tensor read
+/// from the shard its weight_map gives), or without an index from every .safetensors file in
+/// `dir`. safetensors::Error, naming the file and the tensor, for a malformed file, a shard
+/// missing, a tensor missing, found twice, elsewhere than the index says, not part of the
+/// model, or of the wrong shape.
+[[nodiscard]] inline Weights load_checkpoint(const std::filesystem::path& dir) {
+  const std::filesystem::path folder = detail::directory(dir);
+  const Config config = load_config(folder);
   std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    if (entry.path().extension() == ".safetensors") paths.push_back(entry.path());
+  const std::filesystem::path index_path = folder / detail::index_name;
+  const bool indexed = std::filesystem::exists(index_path, ec);
+  std::map<std::string, std::string> index;  // tensor -> shard; empty without an index
+  if (indexed) index = detail::read_index(index_path);
+  std::vector<std::filesystem::path> paths;
+  if (indexed) {
+    std::map<std::string, std::size_t> shards;  // file name -> tensors the index places there
+    for (const auto& [tensor, shard] : index) ++shards[shard];
+    for (const auto& [shard, tensors] : shards) {
+      paths.push_back(folder / shard);
+      if (!std::filesystem::exists(paths.back(), ec)) {
+        throw safetensors::Error("shard " + shard + " named by " + detail::index_name + ": not found in " +
+                                 folder.string() + " (the index places " + std::to_string(tensors) + " tensors there)");
+      }
+    }
+  } else {
+    for (const auto& entry : std::filesystem::directory_iterator(folder, ec)) {
+      if (entry.path().extension() == ".safetensors") paths.push_back(entry.path());
+    }
+    if (ec) throw safetensors::Error(folder.string() + ": cannot list the directory (" + ec.message() + ")");
   }
-  if (ec) throw safetensors::Error(dir.string() + ": cannot list the directory (" + ec.message() + ")");
-  if (paths.empty()) throw safetensors::Error(dir.string() + ": no .safetensors files");
+  if (paths.empty()) throw safetensors::Error(folder.string() + ": no .safetensors files");
   std::sort(paths.begin(), paths.end());
 
   std::vector<safetensors::File> files;
@@ -211,12 +260,31 @@ inline std::filesystem::path directory(const std::filesystem::path& dir) {
   files.reserve(paths.size());  // `where` points into the files' tensor lists
   for (const auto& path : paths) files.push_back(safetensors::File::open(path));
   for (std::size_t f = 0; f < files.size(); ++f) {
+    const std::string file = files[f].path().filename().string();
     for (const auto& info : files[f].tensors()) {
+      if (indexed) {
+        // The index was written from the shards: disagreeing, one of them is stale or damaged.
+        const auto named = index.find(info.name);
+        if (named == index.end()) {
+          throw safetensors::Error(file + ": tensor '" + info.name + "': not in the weight_map of " +
+                                   detail::index_name);
+        }
+        if (named->second != file) {
+          throw safetensors::Error(file + ": tensor '" + info.name + "': " + detail::index_name + " places it in " +
+                                   named->second);
+        }
+      }
       const auto [it, inserted] = where.emplace(info.name, std::make_pair(f, &info));
       if (!inserted) {
-        throw safetensors::Error(files[f].path().filename().string() + ": tensor '" + info.name + "': also in " +
+        throw safetensors::Error(file + ": tensor '" + info.name + "': also in " +
                                  files[it->second.first].path().filename().string());
       }
+    }
+  }
+  for (const auto& [tensor, shard] : index) {
+    if (!where.contains(tensor)) {
+      throw safetensors::Error(std::string(detail::index_name) + ": tensor '" + tensor + "': not found in " + shard +
+                               ", the shard the index places it in");
     }
   }
 
@@ -224,12 +292,16 @@ inline std::filesystem::path directory(const std::filesystem::path& dir) {
   for_each_tensor(w, [&](const std::string& name, auto& tensor, const std::vector<std::size_t>& expected) {
     const auto it = where.find(name);
     if (it == where.end()) {
+      if (indexed) {
+        throw safetensors::Error(std::string(detail::index_name) + ": tensor '" + name +
+                                 "' not found in the weight_map");
+      }
       std::string list;
       for (const auto& p : paths) {
         if (!list.empty()) list += ", ";
         list += p.filename().string();
       }
-      throw safetensors::Error(dir.filename().string() + ": tensor '" + name + "' not found in " + list);
+      throw safetensors::Error(folder.filename().string() + ": tensor '" + name + "' not found in " + list);
     }
     auto& [f, info] = it->second;
     const std::vector<std::uint64_t> want(expected.begin(), expected.end());
