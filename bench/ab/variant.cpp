@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <Eigen/Core>
+
 #include "kvcache/kvcache.hpp"
 #include "variant.hpp"
 

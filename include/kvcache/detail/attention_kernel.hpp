@@ -161,22 +161,25 @@ class AttentionKernel {
   /// Acc values a split item's running state takes: max, sum and acc of every row.
   [[nodiscard]] std::size_t partial_size() const noexcept { return rows_ * (dim_ + 2); }
 
-  [[nodiscard]] Workspace workspace() const {
-    Workspace w;
-    w.queries.resize(rows_ * dim_);
-    w.acc.resize(rows_ * dim_);
-    w.max.resize(rows_);
-    w.sum.resize(rows_);
-    w.scores.resize(rows_ * tile_);
-    w.keys.resize(tile_);
-    w.values.resize(tile_);
-    w.positions.resize(tile_);
+  /// Sizes a worker's scratch for this call; kept by the thread between calls, so a call
+  /// allocates only when it needs more than the thread's last one did.
+  void prepare(Workspace& w) const {
+    const auto fit = [](auto& v, std::size_t n) {
+      if (v.size() < n) v.resize(n);
+    };
+    fit(w.queries, rows_ * dim_);
+    fit(w.acc, rows_ * dim_);
+    fit(w.max, rows_);
+    fit(w.sum, rows_);
+    fit(w.scores, rows_ * tile_);
+    fit(w.keys, tile_);
+    fit(w.values, tile_);
+    fit(w.positions, tile_);
     if constexpr (Codec::row_scales) {
-      w.key_scales.resize(tile_);
-      w.value_scales.resize(tile_);
+      fit(w.key_scales, tile_);
+      fit(w.value_scales, tile_);
     }
     w.active.reserve(rows_);
-    return w;
   }
 
   /// Runs one item; writes out, or its running state to `partials` for a split item.
@@ -358,7 +361,7 @@ class AttentionKernel {
         V qv[R];
         unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { qv[r] = load<V>(q[r] + d); });
         unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE {
-          const V x = Codec::template load<B>(rows[k], d);
+          const V x = in_register(Codec::template load<B>(rows[k], d));
           unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { acc[r * K + k] += qv[r] * x; });
         });
       }
@@ -416,7 +419,7 @@ class AttentionKernel {
       if (first) prefetch_rows(tile.values, j, tile.count);
       const Unit* row = tile.values[j];
       unroll<C>([&](auto c) KVCACHE_ALWAYS_INLINE {
-        const V x = Codec::template load<B>(row, d + c * W);
+        const V x = in_register(Codec::template load<B>(row, d + c * W));
         unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { sums[r][c] += splat<V>(weights[r][j]) * x; });
       });
     }
@@ -487,17 +490,16 @@ void run_attention(const AttentionKernel<T, B>& kernel, const History<T>& histor
     }
   }
   threads = std::min(threads, items.size());
-  std::vector<typename AttentionKernel<T, B>::Workspace> workspaces;
-  workspaces.reserve(threads);
-  for (std::size_t i = 0; i < threads; ++i) workspaces.push_back(kernel.workspace());
   std::vector<Acc> partials(splits > 1 ? items.size() * kernel.partial_size() : 0);
   Acc* partial_data = splits > 1 ? partials.data() : nullptr;
 
   std::atomic<std::size_t> next{0};
-  run_workers(threads, [&](std::size_t worker) {
+  run_workers(threads, [&](std::size_t) {
+    thread_local typename AttentionKernel<T, B>::Workspace workspace;
+    kernel.prepare(workspace);
     for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
          i = next.fetch_add(1, std::memory_order_relaxed)) {
-      kernel.run(items[i], workspaces[worker], partial_data);
+      kernel.run(items[i], workspace, partial_data);
     }
   });
   if (splits > 1) {

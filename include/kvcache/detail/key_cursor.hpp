@@ -12,6 +12,7 @@
 #include <limits>
 #include <span>
 
+#include "kvcache/detail/simd.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache::detail {
@@ -103,16 +104,22 @@ class KeyCursor {
     const std::size_t ks = s.keys.strides().tokens;
     const std::size_t vs = s.values.strides().tokens;
     std::size_t t = tile.count;
-    for (std::size_t i = 0; i < n; ++i) {
-      if (!all && !bounds.keeps(p[i])) continue;
+    const auto add = [&](std::size_t i) KVCACHE_ALWAYS_INLINE {
       tile.keys[t] = k + i * ks;
       tile.values[t] = v + i * vs;
       tile.positions[t] = p[i];
       if (tile.key_scales != nullptr) {
-        tile.key_scales[t] = s.key_scales.empty() ? 1.0F : *s.key_scales.at(b_, h_, from + i);
-        tile.value_scales[t] = s.value_scales.empty() ? 1.0F : *s.value_scales.at(b_, h_, from + i);
+        tile.key_scales[t] = *s.key_scales.at(b_, h_, from + i);
+        tile.value_scales[t] = *s.value_scales.at(b_, h_, from + i);
       }
       ++t;
+    };
+    if (all) {
+      for (std::size_t i = 0; i < n; ++i) add(i);
+    } else {
+      for (std::size_t i = 0; i < n; ++i) {
+        if (bounds.keeps(p[i])) add(i);
+      }
     }
     if (t == tile.count) return;
     tile.ascending = tile.ascending && ascending && (tile.count == 0 || tile.positions[tile.count - 1] <= p[0]);

@@ -90,6 +90,16 @@ KVCACHE_ALWAYS_INLINE inline V splat(E x) noexcept {
   return static_cast<std::remove_cvref_t<decltype(V{}[0])>>(x) - V{};
 }
 
+/// v, kept in a register: compilers otherwise fold a row loaded once for R query rows into each
+/// of R multiply-adds, so that loads, not multiply-adds, set the pace.
+template <class V>
+KVCACHE_ALWAYS_INLINE inline V in_register(V v) noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(v));
+#endif
+  return v;
+}
+
 /// A register of floats from one of bfloat16 bit patterns: each is a float's top half.
 template <std::size_t B>
 KVCACHE_ALWAYS_INLINE inline Vec<float, B> widen_bfloat16(const std::uint16_t* p) noexcept {
