@@ -180,20 +180,20 @@ bool matches_reference(benchmark::State& state, double error) {
 /// Chains and operands fit in the registers: 16 chains and their two operands under AVX2's 16
 /// registers kept some chains on the stack and ran 54.6 Gflop/s instead of 87-95 (AMD EPYC).
 std::pair<double, double> multiply_add_peak(std::size_t rounds) {
-  using V = kvcache::detail::Vector<float>;
+  using V = kvcache::detail::Vec<float, kvcache::detail::kNativeBytes>;
   constexpr std::size_t kChains = std::min<std::size_t>(16, kvcache::detail::kRegisters - 4);
   V chains[kChains];
   volatile float seed = 1.0F;  // distinct starting values, so no two chains are merged
-  for (std::size_t c = 0; c < kChains; ++c) chains[c] = kvcache::detail::splat(seed + static_cast<float>(c));
-  const V x = kvcache::detail::splat(0.999999F);
-  const V y = kvcache::detail::splat(1e-7F);
+  for (std::size_t c = 0; c < kChains; ++c) chains[c] = kvcache::detail::splat<V>(seed + static_cast<float>(c));
+  const V x = kvcache::detail::splat<V>(0.999999F);
+  const V y = kvcache::detail::splat<V>(1e-7F);
   const double seconds = time_call([&] {
     for (std::size_t r = 0; r < rounds; ++r) {
       for (V& c : chains) c = c * x + y;
     }
   });
   for (const V& c : chains) benchmark::DoNotOptimize(c);
-  return {seconds, 2.0 * static_cast<double>(rounds * kChains * kvcache::detail::kVector<float>)};
+  return {seconds, 2.0 * static_cast<double>(rounds * kChains * kvcache::detail::kLanes<V>)};
 }
 
 /// Args: H_q, S, threads. q and out are Q: float, or the storage type (a model whose activations
@@ -303,9 +303,9 @@ void BM_PrefillAttention(benchmark::State& state) {
   const kvcache::Segment<T>& all = setup.history.segments.front();
   std::vector<kvcache::Segment<T>> seen{all};
   if (window > 0 && keys > window + kSinks) {
-    seen = {{all.keys.tokens(0, kSinks), all.values.tokens(0, kSinks), all.positions.first(kSinks)},
+    seen = {{all.keys.tokens(0, kSinks), all.values.tokens(0, kSinks), kvcache::Positions(all.positions.data(), kSinks)},
             {all.keys.tokens(keys - window, window), all.values.tokens(keys - window, window),
-             all.positions.subspan(keys - window)}};
+             kvcache::Positions(all.positions.data() + keys - window, window)}};
   }
   if (!matches_reference<Q>(state, reference_error(last_q, last_out, kvcache::History<T>{seen}, q_heads))) return;
   double pairs = 0;

@@ -346,13 +346,7 @@ TYPED_TEST(AttentionTyped, QueriesInTheStorageType) {
 
 // q and out in a 16-bit storage type, over every case of the grid: the queries hold the same
 // values as the float ones of run_case, so the output is the float-query output rounded once to
-// T. bfloat16 queries over bfloat16 keys are scored by products of bfloat16 pairs where the CPU
-// has them (AVX-512 BF16, score_key_pairs) and they pay (detail::pair_products_pay), every other
-// pair of types as float queries are.
-// There four query rows a kv head also weigh V by pair products (accumulate_pairs_in_l1), with
-// each weight rounded to bfloat16 (relative error e <= 2^-8) and the sum taken of the rounded
-// weights: the output moves by sum_j w_j e_j (v_j - out) / sum_j w_j (1 + e_j), at most
-// 2^-8 / (1 - 2^-8) times the largest |v_j - out|, 2 for values in [-1, 1].
+// T.
 template <class T>
 class StoredQueries : public ::testing::Test {};
 using SixteenBitTypes = ::testing::Types<Eigen::half, Eigen::bfloat16>;
@@ -361,8 +355,7 @@ TYPED_TEST_SUITE(StoredQueries, SixteenBitTypes, TypeName);
 TYPED_TEST(StoredQueries, GiveTheFloatQueryOutputRoundedOnce) {
   using T = TypeParam;
   const double roundoff = std::is_same_v<T, Eigen::bfloat16> ? 0x1p-8 : 0x1p-11;  // half an ulp, relative
-  const double rounded_weights =
-      std::is_same_v<T, Eigen::bfloat16> && KVCACHE_BF16_PAIRS ? 2 * 0x1p-8 / (1 - 0x1p-8) : 0;
+  const double rounded_weights = 0;  // queries of every type are widened: the same sums as float queries
   std::uint64_t seed = 5000;
   for (const Case& c : kCases) {
     for (Variant variant : {Variant::kDense, Variant::kConcat, Variant::kRing}) {
@@ -714,380 +707,197 @@ TEST(AttentionViews, OutMayBeQItself) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The tests above that speak of several tiles (4,500 and 5,000 keys at D = 32 and 64) do cross
-// tiles, whatever the element type: at least two tile boundaries, so that the running max and
-// sum are carried from tile to tile.
+// Tiles: the shortest tiles the tuning allows (one register of keys) give what the default
+// ones give, for every format, so the running max and sum carry across every boundary.
 
 template <class T>
-std::size_t tile_keys(std::size_t dim) {
-  using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  const std::size_t keys = 8;
-  const Block<T> k({1, 1, keys, dim}, 41);
-  const Block<float> q({1, 4, 1, dim}, 42);
-  const std::vector<std::int64_t> positions = arange(0, keys);
-  const Segment<T> segment{k.view(), k.view(), positions};
-  std::vector<float> out(q.data.size());
-  const std::vector<std::int64_t> q_positions{static_cast<std::int64_t>(keys)};
-  const detail::AttentionKernel<T, float, Acc> kernel(q.view(), q_positions, History<T>{std::span(&segment, 1)},
-                                                      TensorView<float>(out.data(), q.shape),
-                                                      detail::VisibilityRule(0, 0, 0, 0), Acc{1});
-  return kernel.tile();
-}
-
-template <class T>
-void expect_long_cases_cross_tiles() {
-  for (const std::size_t dim : {std::size_t{32}, std::size_t{64}}) {
-    EXPECT_LT(2 * tile_keys<T>(dim), std::size_t{4500}) << "D " << dim;
+void expect_tile_length_changes_nothing() {
+  for (const std::size_t dim : {std::size_t{24}, std::size_t{64}}) {
+    const std::size_t keys = 700;
+    const Block<T> k({1, 2, keys, dim}, 41);
+    const Block<T> v({1, 2, keys, dim}, 42);
+    const Block<float> q({1, 8, 3, dim}, 43);
+    KvCache<T> cache({.layers = 1, .kv_heads = 2, .head_dim = dim, .capacity = keys});
+    const auto history = cache.update(0, k.view(), v.view(), arange(0, keys));
+    const std::vector<std::int64_t> positions = arange(keys - 3, 3);
+    std::vector<float> whole(q.data.size());
+    std::vector<float> short_tiles(q.data.size());
+    causal_attention(q.view(), positions, history, TensorView<float>(whole.data(), q.shape));
+    causal_attention(q.view(), positions, history, TensorView<float>(short_tiles.data(), q.shape),
+                     {.tuning = {.tile_bytes = 1, .prefetch_bytes = 256}});
+    const Dense want = reference_attention(exact(q), positions, exact(k), exact(v), 1.0 / std::sqrt(double(dim)), {});
+    EXPECT_LE(max_error<float>(TensorView<const float>(short_tiles.data(), q.shape), want), 2e-5) << "D " << dim;
+    EXPECT_LE(max_error<float>(TensorView<const float>(whole.data(), q.shape), want), 2e-5) << "D " << dim;
   }
 }
 
-TEST(AttentionTiles, LongCasesCrossSeveralTilesForEveryType) {
-  expect_long_cases_cross_tiles<float>();
-  expect_long_cases_cross_tiles<double>();
-  expect_long_cases_cross_tiles<Eigen::half>();
-  expect_long_cases_cross_tiles<Eigen::bfloat16>();
+TEST(AttentionTiles, ShortTilesAndPrefetchGiveTheSameResultForEveryFormat) {
+  expect_tile_length_changes_nothing<float>();
+  expect_tile_length_changes_nothing<double>();
+  expect_tile_length_changes_nothing<Eigen::half>();
+  expect_tile_length_changes_nothing<Eigen::bfloat16>();
 }
 
 // ---------------------------------------------------------------------------------------------
-// The shuffle tree that sums W dot products at once, on the compiler's vector registers and on
-// the plain arrays that stand in for them elsewhere, at every width.
+// No head-size cliff: every multiple of 8 from 8 to 256, every format, one and four query rows
+// per kv head, decode and a short chunk.
 
-template <class V, std::size_t W>
-void expect_transpose_sum() {
-  V a[W];
-  for (std::size_t i = 0; i < W; ++i)
-    for (std::size_t l = 0; l < W; ++l) a[i][l] = static_cast<std::remove_cvref_t<decltype(a[0][0])>>(i * 100 + l);
-  V ordered[W];
-  for (std::size_t l = 0; l < W; ++l) ordered[l] = a[detail::reverse_bits(l, W)];
-  const V sums = detail::transpose_sum<W, W / 2>(ordered);
-  for (std::size_t k = 0; k < W; ++k) {
-    EXPECT_EQ(static_cast<double>(sums[k]), static_cast<double>(k * 100 * W + W * (W - 1) / 2))
-        << "W " << W << " key " << k;
+template <class T>
+void expect_every_head_size() {
+  std::uint64_t seed = 300;
+  for (std::size_t dim = 8; dim <= 256; dim += 8) {
+    for (const std::size_t group : {std::size_t{1}, std::size_t{4}}) {
+      const Case c{1, 2, group, dim, dim % 16 == 0 ? std::size_t{1} : std::size_t{3}, 90, {}, {}, 0, 0.0F};
+      run_case<T>(c, Variant::kDense, seed++);
+    }
   }
 }
 
-TEST(AttentionMath, TransposeSumPutsKeyKInLaneK) {
-  expect_transpose_sum<detail::Vector<float>, detail::kVector<float>>();
-  expect_transpose_sum<detail::Vector<double>, detail::kVector<double>>();
-  expect_transpose_sum<detail::LoopVector<float, 4>, 4>();
-  expect_transpose_sum<detail::LoopVector<float, 8>, 8>();
-  expect_transpose_sum<detail::LoopVector<float, 16>, 16>();
-  expect_transpose_sum<detail::LoopVector<double, 2>, 2>();
+TEST(AttentionHeadSizes, EveryMultipleOfEightFrom8To256) {
+  expect_every_head_size<float>();
+  expect_every_head_size<double>();
+  expect_every_head_size<Eigen::half>();
+  expect_every_head_size<Eigen::bfloat16>();
 }
 
-// The softmax bookkeeping: largest and sum of a row of scores, folded in registers, at every
-// length around the vector width (tails included) and with masked (-inf) scores.
+// ---------------------------------------------------------------------------------------------
+// Inputs in the engine's compute type, stored in the cache's format: every (input, stored) pair
+// stores what rounding the input once to the format gives, and attention over it matches the
+// reference on those rounded values.
 
-template <class Acc>
-void expect_max_and_sum() {
-  constexpr std::size_t W = detail::kVector<Acc>;
-  for (std::size_t n = 0; n <= 3 * W + 1; ++n) {
-    std::vector<Acc> x(n);
-    for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<Acc>((i * 37) % 11) - Acc{5};
-    if (n > 2) x[n / 2] = -std::numeric_limits<Acc>::infinity();
-    const Acc largest = n == 0 ? -std::numeric_limits<Acc>::infinity() : *std::max_element(x.begin(), x.end());
-    EXPECT_EQ(detail::max_of(x.data(), n), largest) << "n " << n;
-    for (Acc& v : x) v = v == -std::numeric_limits<Acc>::infinity() ? Acc{0} : v;
-    EXPECT_EQ(detail::sum_of(x.data(), n), std::accumulate(x.begin(), x.end(), Acc{0}))
-        << "n " << n;  // integers: exact
+template <class T, class In>
+void expect_input_rounded_once_and_attended() {
+  const std::size_t dim = 32;
+  const std::size_t keys = 150;
+  const Block<In> k({1, 2, keys, dim}, 51);
+  const Block<In> v({1, 2, keys, dim}, 52);
+  const Block<float> q({1, 4, 2, dim}, 53);
+  KvCache<T> cache({.layers = 1, .kv_heads = 2, .head_dim = dim, .capacity = keys});
+  const auto history = cache.update(0, k.view(), v.view(), arange(0, keys));
+  Block<T> k_stored({1, 2, keys, dim}, 0);
+  Block<T> v_stored({1, 2, keys, dim}, 0);
+  for (std::size_t i = 0; i < k.data.size(); ++i) {
+    k_stored.data[i] = static_cast<T>(static_cast<double>(detail::widen(k.data[i])));
+    v_stored.data[i] = static_cast<T>(static_cast<double>(detail::widen(v.data[i])));
   }
-}
-
-TEST(AttentionMath, MaxAndSumOfScoresAtEveryLength) {
-  expect_max_and_sum<float>();
-  expect_max_and_sum<double>();
-}
-
-TEST(AttentionMath, FoldHalvesLeavesTheTotalInLaneZero) {
-  detail::LoopVector<float, 8> v{};
-  for (std::size_t l = 0; l < 8; ++l) v[l] = static_cast<float>(l == 5 ? 40 : l);
-  const auto max = detail::fold_halves<4>(v, [](const auto& a, const auto& b) { return detail::lane_max(a, b); });
-  const auto sum = detail::fold_halves<4>(v, [](const auto& a, const auto& b) { return a + b; });
-  EXPECT_EQ(max[0], 40.0F);
-  EXPECT_EQ(sum[0], 0.0F + 1 + 2 + 3 + 4 + 40 + 6 + 7);
-}
-
-#if KVCACHE_VECTOR_EXP
-// Weights come out of the lane-wise exp for whole registers and the scalar one for a row's tail:
-// the same value, bit for bit, within 1 ulp of e^x, and 0 (never a NaN) below -87 and for a
-// masked score.
-TEST(AttentionMath, LaneWiseExpMatchesTheScalarOne) {
-  constexpr std::size_t W = detail::kVector<float>;
-  std::vector<float> xs = {0.0F,   -0.0F,   -1e-30F, -86.9F,
-                           -87.0F, -87.01F, -1e4F,   -std::numeric_limits<float>::infinity()};
-  for (int i = 0; i <= 200000; ++i) xs.push_back(-90.0F * static_cast<float>(i) / 200000.0F);
-  while (xs.size() % W != 0) xs.push_back(-1.5F);
-  for (std::size_t first = 0; first < xs.size(); first += W) {
-    const auto lanes = detail::exp_nonpositive(detail::load_vector<detail::Vector<float>>(xs.data() + first));
-    for (std::size_t l = 0; l < W; ++l) {
-      const float x = xs[first + l];
-      const float scalar = detail::exp_nonpositive(x);
-      EXPECT_EQ(std::bit_cast<std::uint32_t>(lanes[l]), std::bit_cast<std::uint32_t>(scalar)) << "x " << x;
-      if (x < -87.0F) {
-        EXPECT_EQ(scalar, 0.0F) << "x " << x;
-        continue;
+  const Segment<T>& s = history.segments[0];
+  std::size_t differ = 0;
+  for (std::size_t h = 0; h < 2; ++h)
+    for (std::size_t t = 0; t < keys; ++t)
+      for (std::size_t d = 0; d < dim; ++d) {
+        differ += std::memcmp(&s.keys(0, h, t, d), &k_stored.data[(h * keys + t) * dim + d], sizeof(T)) != 0;
+        differ += std::memcmp(&s.values(0, h, t, d), &v_stored.data[(h * keys + t) * dim + d], sizeof(T)) != 0;
       }
-      const double want = std::exp(static_cast<double>(x));
-      const double ulp =
-          std::nextafter(static_cast<float>(want), std::numeric_limits<float>::infinity()) - static_cast<float>(want);
-      EXPECT_LE(std::abs(scalar - want), ulp) << "x " << x;
-    }
-  }
-}
-#endif
-
-#if KVCACHE_VECTOR_EXTENSIONS
-// Half rows widened by integer operations, where no instruction converts them: every one of the
-// 65,536 bit patterns gives Eigen's float, bit for bit (a NaN for a NaN, with its sign).
-TEST(AttentionMath, EveryHalfBitPatternWidensExactly) {
-  using Bits = detail::Vector<std::uint32_t>;
-  constexpr std::size_t W = detail::kVector<float>;
-  for (std::uint32_t first = 0; first < 65536; first += W) {
-    Bits bits;
-    for (std::size_t l = 0; l < W; ++l) bits[l] = first + static_cast<std::uint32_t>(l);
-    const detail::Vector<float> got = detail::floats_from_half_bits(bits);
-    for (std::size_t l = 0; l < W; ++l) {
-      const auto pattern = static_cast<std::uint16_t>(bits[l]);
-      const float want = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(pattern));
-      if (std::isnan(want)) {
-        EXPECT_TRUE(std::isnan(got[l])) << "half bits " << pattern;
-        EXPECT_EQ(std::signbit(got[l]), std::signbit(want)) << "half bits " << pattern;
-      } else {
-        EXPECT_EQ(std::bit_cast<std::uint32_t>(got[l]), std::bit_cast<std::uint32_t>(want)) << "half bits " << pattern;
-      }
-    }
-  }
-}
-#endif
-
-#if KVCACHE_BF16_PAIRS
-// Scores by products of bfloat16 pairs (AVX-512 BF16): small integers, whose products and sums
-// float holds exactly, so every score must be the exact dot product times the scale, in the
-// lane of its own query row and key.
-template <std::size_t R, std::size_t Dim>
-void expect_pair_scores() {
-  constexpr std::size_t K = detail::kVector<float> / R;
-  std::mt19937 rng(static_cast<unsigned>(R * Dim));
-  std::uniform_int_distribution<int> value(-15, 15);
-  std::vector<Eigen::bfloat16> queries(R * Dim), key_rows(K * Dim);
-  for (auto& x : queries) x = static_cast<Eigen::bfloat16>(static_cast<float>(value(rng)));
-  for (auto& x : key_rows) x = static_cast<Eigen::bfloat16>(static_cast<float>(value(rng)));
-  const Eigen::bfloat16* q[R];
-  float scores[R][K];
-  float* out[R];
-  for (std::size_t r = 0; r < R; ++r) {
-    q[r] = queries.data() + r * Dim;
-    out[r] = scores[r];
-  }
-  const Eigen::bfloat16* keys[K];
-  for (std::size_t k = 0; k < K; ++k) keys[k] = key_rows.data() + k * Dim;
-  detail::score_key_pairs<R, Dim>(q, keys, 0.25F, out);
-  for (std::size_t r = 0; r < R; ++r) {
-    for (std::size_t k = 0; k < K; ++k) {
-      float dot = 0;
-      for (std::size_t d = 0; d < Dim; ++d) dot += static_cast<float>(q[r][d]) * static_cast<float>(keys[k][d]);
-      EXPECT_EQ(scores[r][k], 0.25F * dot) << "R " << R << " Dim " << Dim << " row " << r << " key " << k;
-    }
-  }
-}
-
-TEST(AttentionMath, PairScoresAreExactDotProductsInTheirOwnLanes) {
-  expect_pair_scores<2, 64>();
-  expect_pair_scores<2, 128>();
-  expect_pair_scores<4, 128>();
-  expect_pair_scores<4, 256>();
-}
-
-// The kernel with bfloat16 pair products and without: which one causal_attention takes is the
-// processor's (detail::pair_products_pay), so both are run here, over four bfloat16 query rows
-// per kv head at D = 128, a chunk of five queries over keys that span two tiles, one and three
-// threads. Each output is within the reference's accumulation tolerance plus half a bfloat16
-// ulp of rounding, and with pair products the rounded weights' term (see StoredQueries).
-TEST(PairProducts, AndKeysWidenedToFloatBothMatchTheReference) {
-  using T = Eigen::bfloat16;
-  const std::size_t kv_heads = 2, group = 4, keys = 2500, chunk = 5, dim = 128;
-  const Block<T> k({1, kv_heads, keys, dim}, 61);
-  const Block<T> v({1, kv_heads, keys, dim}, 62);
-  const Block<T> q({1, kv_heads * group, chunk, dim}, 63);
-  const std::vector<std::int64_t> key_positions = arange(0, keys);
-  const std::vector<std::int64_t> q_positions = arange(keys - chunk, chunk);
-  const Segment<T> segment{k.view(), v.view(), key_positions};
-  const History<T> history{std::span<const Segment<T>>(&segment, 1)};
-  const float scale = 1.0F / std::sqrt(static_cast<float>(dim));
-  const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), scale, {});
-  for (const bool pairs : {false, true}) {
-    for (const std::size_t threads : {std::size_t{1}, std::size_t{3}}) {
-      std::vector<T> out(q.data.size());
-      const TensorView<T> out_view(out.data(), q.shape);
-      detail::AttentionForms forms = detail::AttentionForms::of_this_processor();
-      forms.pair_products = pairs;
-      const detail::AttentionKernel<T, T, float> kernel(q.view(), q_positions, history, out_view,
-                                                        detail::VisibilityRule(0, 0, 0, 0), scale, forms);
-      detail::run_attention(kernel, 1, kv_heads, chunk, threads);
-      // Rounded weights move an output by at most 2^-8 / (1 - 2^-8) of |v - out| <= 2.
-      const double weights = pairs ? 2 * 0x1p-8 / (1 - 0x1p-8) : 0;
-      std::size_t bad = out.size();
-      for (std::size_t i = 0; i < out.size() && bad == out.size(); ++i) {
-        const double w = want.data[i];
-        if (!(std::abs(to_double(out[i]) - w) <= 0x1p-8 * (std::abs(w) + weights) + weights + Tolerance<T>::value)) {
-          bad = i;
-        }
-      }
-      EXPECT_EQ(bad, out.size()) << "pair products " << pairs << ", threads " << threads << ": value " << bad;
-    }
-  }
-}
-
-// The weights the pair-product V pass applies: each rounded to the nearest bfloat16 (ties to
-// even) as Eigen rounds it, at every length around the vector width, and the sum returned is
-// the sum of the rounded values.
-TEST(AttentionMath, RoundedWeightsAreEigensBfloat16AndTheirSum) {
-  constexpr std::size_t W = detail::kVector<float>;
-  std::mt19937 rng(11);
-  std::uniform_real_distribution<float> unit(0.0F, 1.0F);
-  for (std::size_t n = 0; n <= 3 * W + 1; ++n) {
-    std::vector<float> weights(n);
-    for (std::size_t j = 0; j < n; ++j) weights[j] = unit(rng);
-    // Ties: halfway between two bfloat16 values, below an even and below an odd one.
-    if (n > 1) weights[1] = std::bit_cast<float>(0x3F808000U);
-    if (n > 2) weights[2] = std::bit_cast<float>(0x3F818000U);
-    if (n > 3) weights[3] = 0.0F;
-    std::vector<std::uint16_t> rounded(n);
-    const float sum = detail::round_weights(weights.data(), n, rounded.data());
-    double want_sum = 0;
-    for (std::size_t j = 0; j < n; ++j) {
-      const auto want = Eigen::numext::bit_cast<std::uint16_t>(static_cast<Eigen::bfloat16>(weights[j]));
-      EXPECT_EQ(rounded[j], want) << "n " << n << " weight " << j << " = " << weights[j];
-      want_sum += static_cast<double>(static_cast<float>(static_cast<Eigen::bfloat16>(weights[j])));
-    }
-    EXPECT_NEAR(sum, want_sum, 1e-6 * static_cast<double>(n)) << "n " << n;
-  }
-}
-
-// The V pass by pair products: small integers and weights in sixteenths, whose products and
-// sums float holds exactly, so every sum must be exact, in lane_of order, for held rows and
-// rows summed in L1 alike, at even and odd key counts (the last key then paired with zeros).
-TEST(AttentionMath, PairSumsAreExactWeightedSumsInRegisterOrder) {
-  constexpr std::size_t R = 4;
-  constexpr std::size_t Dim = 128;
-  constexpr std::size_t kStride = Dim + 2 * detail::kVector<float>;
-  std::mt19937 rng(12);
-  std::uniform_int_distribution<int> value(-15, 15);
-  for (const std::size_t count : {std::size_t{1}, std::size_t{2}, std::size_t{7}, std::size_t{40}}) {
-    std::vector<Eigen::bfloat16> rows(count * kStride);
-    for (auto& x : rows) x = static_cast<Eigen::bfloat16>(static_cast<float>(value(rng)));
-    std::vector<std::uint16_t> weight_bits(R * count);
-    std::vector<float> start(R * Dim);
-    for (auto& x : start) x = static_cast<float>(value(rng));
-    std::vector<float> sums = start;
-    for (auto& bits : weight_bits) {
-      bits = Eigen::numext::bit_cast<std::uint16_t>(
-          static_cast<Eigen::bfloat16>(static_cast<float>(value(rng) + 15) / 16));
-    }
-    float* acc[R];
-    const std::uint16_t* weights[R];
-    for (std::size_t r = 0; r < R; ++r) {
-      acc[r] = sums.data() + r * Dim;
-      weights[r] = weight_bits.data() + r * count;
-    }
-    detail::accumulate_pairs_in_l1<R, Dim, 2>(acc, weights, rows.data(), kStride, count, detail::RowFetcher{});
-    for (std::size_t r = 0; r < R; ++r) {
-      for (std::size_t d = 0; d < Dim; ++d) {
-        const std::size_t lane = detail::lane_of<Eigen::bfloat16, float>(d, Dim);
-        float want = start[r * Dim + lane];
-        for (std::size_t j = 0; j < count; ++j) {
-          const float w = static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(weights[r][j]));
-          want += w * static_cast<float>(rows[j * kStride + d]);
-        }
-        EXPECT_EQ(sums[r * Dim + lane], want) << "count " << count << " row " << r << " d " << d;
-      }
-    }
-  }
-}
-#endif
-
-// The forms of the kernel a processor may choose between, each run here whatever this processor
-// is: one query row per kv head read as plain streams (no row asked for ahead, weights made
-// before the pass over V, bfloat16 lines loaded by each operation that uses them) or as the
-// other processors read it (detail::plain_one_row_passes); four 16-bit query rows scoring the K
-// rows they read from memory in order or W / 4 keys at a time (detail::four_rows_in_order_pay);
-// tiles of the usual length or longer (detail::long_tiles_pay); and vectors of the build's width
-// or, where that is 64 bytes, of 32 (detail::narrow_vectors_pay).
-// For every 16-bit type and float, one, two, four and eight query rows per kv head (at eight, the
-// first four read the tile from memory, the other four from cache), D = 128 and one with a tail
-// (72), over keys that span several tiles, one and three threads, decode and a chunk of three.
-template <class T, std::size_t B>
-void expect_kernel_form_matches_the_reference(std::size_t group, std::size_t dim) {
-  const std::size_t kv_heads = 2, keys = 9000;  // more than a long tile of 8,192 keys
-  const Block<T> k({1, kv_heads, keys, dim}, 71);
-  const Block<T> v({1, kv_heads, keys, dim}, 72);
-  const std::vector<std::int64_t> key_positions = arange(0, keys);
-  const Segment<T> segment{k.view(), v.view(), key_positions};
-  const History<T> history{std::span<const Segment<T>>(&segment, 1)};
-  const float scale = 1.0F / std::sqrt(static_cast<float>(dim));
-  for (const std::size_t chunk : {std::size_t{1}, std::size_t{3}}) {
-    const Block<float> q({1, kv_heads * group, chunk, dim}, 73);
-    const std::vector<std::int64_t> q_positions = arange(keys - chunk, chunk);
-    const Dense want = reference_attention(exact(q), q_positions, exact(k), exact(v), scale, {});
-    for (const bool chosen : {false, true}) {  // each form a processor may choose, taken or not
-      for (const std::size_t threads : {std::size_t{1}, std::size_t{3}}) {
-        std::vector<float> out(q.data.size());
-        const detail::AttentionForms forms{.pair_products = detail::pair_products_pay(),
-                                           .plain_one_row = chosen,
-                                           .four_rows_in_order = chosen,
-                                           .long_tiles = chosen};
-        const detail::AttentionKernel<T, float, float, B> kernel(q.view(), q_positions, history,
-                                                                 TensorView<float>(out.data(), q.shape),
-                                                                 detail::VisibilityRule(0, 0, 0, 0), scale, forms);
-        detail::run_attention(kernel, 1, kv_heads, chunk, threads);
-        std::size_t bad = out.size();
-        for (std::size_t i = 0; i < out.size() && bad == out.size(); ++i) {
-          if (!(std::abs(static_cast<double>(out[i]) - want.data[i]) <= Tolerance<T>::value)) bad = i;
-        }
-        EXPECT_EQ(bad, out.size()) << B << "-byte vectors, G " << group << ", D " << dim << ", chunk " << chunk
-                                   << ", forms chosen " << chosen << ", threads " << threads << ": value " << bad;
-      }
-    }
-  }
+  EXPECT_EQ(differ, 0U) << "values not rounded once from the input";
+  const std::vector<std::int64_t> positions = arange(keys - 2, 2);
+  std::vector<float> out(q.data.size());
+  causal_attention(q.view(), positions, history, TensorView<float>(out.data(), q.shape));
+  const Dense want =
+      reference_attention(exact(q), positions, exact(k_stored), exact(v_stored), 1.0 / std::sqrt(double(dim)), {});
+  EXPECT_LE(max_error<float>(TensorView<const float>(out.data(), q.shape), want), 2e-5);
 }
 
 template <class T>
-void expect_every_kernel_form_matches_the_reference() {
-  for (const std::size_t group : {std::size_t{1}, std::size_t{2}, std::size_t{4}, std::size_t{8}}) {
-    for (const std::size_t dim : {std::size_t{128}, std::size_t{72}}) {
-      expect_kernel_form_matches_the_reference<T, detail::kVectorBytes>(group, dim);
-      if constexpr (detail::kVectorBytes == 64) expect_kernel_form_matches_the_reference<T, 32>(group, dim);
+void expect_every_input_type() {
+  expect_input_rounded_once_and_attended<T, float>();
+  expect_input_rounded_once_and_attended<T, Eigen::half>();
+  expect_input_rounded_once_and_attended<T, Eigen::bfloat16>();
+  if constexpr (std::is_same_v<T, double>) expect_input_rounded_once_and_attended<T, double>();
+}
+
+TEST(AttentionInputs, EveryComputeTypeIntoEveryFormat) {
+  expect_every_input_type<float>();
+  expect_every_input_type<double>();
+  expect_every_input_type<Eigen::half>();
+  expect_every_input_type<Eigen::bfloat16>();
+}
+
+// Rounding to the 16-bit formats is Eigen's (to nearest even, NaN kept) for floats of every
+// exponent, the halfway cases and the edges of each format's range.
+TEST(AttentionInputs, NarrowingRoundsToNearestEvenAsEigenDoes) {
+  std::vector<float> xs = {0.0F, -0.0F, 65504.0F, 65519.0F, 65520.0F, 1e-8F, 6e-8F, 3e-8F, 1e38F, -1e38F, 3.4e38F,
+                           std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
+  std::mt19937 rng(5);
+  for (int i = 0; i < 200000; ++i) {
+    const auto bits = static_cast<std::uint32_t>(rng());
+    const float x = std::bit_cast<float>(bits);
+    if (!std::isnan(x)) xs.push_back(x);
+  }
+  for (std::uint32_t h = 0; h < 65536; ++h) {  // every half and bfloat16 value, and the midpoints after them
+    for (const std::uint32_t bits : {h << 16, (h << 16) | 0x8000U, (h << 16) | 0x8001U, (h << 16) | 0x7FFFU}) {
+      const float x = std::bit_cast<float>(bits);
+      if (!std::isnan(x)) xs.push_back(x);
     }
+    const float half_value = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(static_cast<std::uint16_t>(h)));
+    if (!std::isnan(half_value)) xs.push_back(half_value);
+  }
+  std::size_t bad = 0;
+  for (const float x : xs) {
+    bad += detail::bits_of(detail::narrow<Eigen::bfloat16>(x)) != detail::bits_of(Eigen::bfloat16(x));
+    bad += detail::bits_of(detail::narrow<Eigen::half>(x)) != detail::bits_of(Eigen::half(x));
+  }
+  EXPECT_EQ(bad, 0U);
+  EXPECT_TRUE(std::isnan(detail::widen(detail::narrow<Eigen::half>(std::numeric_limits<float>::quiet_NaN()))));
+  EXPECT_TRUE(std::isnan(detail::widen(detail::narrow<Eigen::bfloat16>(std::numeric_limits<float>::quiet_NaN()))));
+}
+
+template <std::size_t B>
+void expect_every_half_pattern_widens_exactly() {
+  constexpr std::size_t W = B / 4;
+  std::size_t bad = 0;
+  for (std::uint32_t first = 0; first < 65536; first += W) {
+    std::uint16_t bits[W];
+    for (std::size_t l = 0; l < W; ++l) bits[l] = static_cast<std::uint16_t>(first + l);
+    const auto got = detail::widen_half<B>(bits);
+    for (std::size_t l = 0; l < W; ++l) {
+      const float want = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits[l]));
+      const float scalar = detail::float_of_half_bits(bits[l]);
+      if (std::isnan(want)) {
+        bad += !std::isnan(got[l]) || !std::isnan(scalar);
+      } else {
+        bad += std::bit_cast<std::uint32_t>(got[l]) != std::bit_cast<std::uint32_t>(want);
+        bad += std::bit_cast<std::uint32_t>(scalar) != std::bit_cast<std::uint32_t>(want);
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0U) << "B " << B;
+}
+
+TEST(AttentionInputs, EveryHalfBitPatternWidensExactlyAtEveryWidth) {
+  expect_every_half_pattern_widens_exactly<16>();
+  if constexpr (detail::kNativeBytes >= 32) expect_every_half_pattern_widens_exactly<32>();
+  if constexpr (detail::kNativeBytes >= 64) expect_every_half_pattern_widens_exactly<64>();
+}
+
+// The shuffle tree that sums W dot products at once puts register l's sum in lane l.
+template <class V>
+void expect_transpose_sum() {
+  constexpr std::size_t W = detail::kLanes<V>;
+  V a[W];
+  for (std::size_t i = 0; i < W; ++i)
+    for (std::size_t l = 0; l < W; ++l) a[i][l] = static_cast<std::remove_cvref_t<decltype(a[0][0])>>(i * 100 + l);
+  const V sums = detail::transpose_sum(a);
+  for (std::size_t k = 0; k < W; ++k) {
+    EXPECT_EQ(static_cast<double>(sums[k]), static_cast<double>(k * 100 * W + W * (W - 1) / 2)) << "W " << W;
   }
 }
 
-TEST(KernelForms, EveryFormMatchesTheReference) {
-  expect_every_kernel_form_matches_the_reference<Eigen::bfloat16>();
-  expect_every_kernel_form_matches_the_reference<Eigen::half>();
-  expect_every_kernel_form_matches_the_reference<float>();
+TEST(AttentionMath, TransposeSumPutsRegisterKInLaneK) {
+  expect_transpose_sum<detail::Vec<float, 16>>();
+  expect_transpose_sum<detail::Vec<double, 16>>();
+  if constexpr (detail::kNativeBytes >= 32) expect_transpose_sum<detail::Vec<float, 32>>();
+  if constexpr (detail::kNativeBytes >= 64) expect_transpose_sum<detail::Vec<float, 64>>();
 }
 
-// The register order of a row (queries in, outputs out): reorder_row puts every value where
-// lane_of names, at every length around a group (tails included), and puts it back.
-template <class T, class Acc>
-void expect_lanes() {
-  for (std::size_t dim = 0; dim <= 4 * detail::kVector<Acc> + 3; ++dim) {
-    std::vector<Acc> row(dim);
-    for (std::size_t d = 0; d < dim; ++d) row[d] = static_cast<Acc>(d);
-    detail::reorder_row<T, Acc, true>(row.data(), dim);
-    for (std::size_t d = 0; d < dim; ++d) {
-      EXPECT_EQ(row[(detail::lane_of<T, Acc>(d, dim))], static_cast<Acc>(d)) << "dim " << dim << " d " << d;
-    }
-    detail::reorder_row<T, Acc, false>(row.data(), dim);
-    for (std::size_t d = 0; d < dim; ++d) EXPECT_EQ(row[d], static_cast<Acc>(d)) << "back, dim " << dim << " d " << d;
+TEST(AttentionMath, LaneWiseExpMatchesStdExp) {
+  using V = detail::Vec<float, 16>;
+  for (float x = -100.0F; x <= 0.0F; x += 0.013F) {
+    const V got = detail::exp_nonpositive(detail::splat<V>(x));
+    const float want = x < -87.0F ? 0.0F : std::exp(x);
+    EXPECT_NEAR(got[0], want, 2e-7F * want + 1e-38F) << x;
+    EXPECT_EQ(got[0], detail::exp_nonpositive(x)) << x;
   }
-}
-
-TEST(AttentionMath, ReorderRowPutsEveryValueInRegisterOrderAndBack) {
-  expect_lanes<float, float>();
-  expect_lanes<double, double>();
-  expect_lanes<Eigen::bfloat16, float>();
-  if constexpr (detail::kConvertsInRegisters<Eigen::half, float>) expect_lanes<Eigen::half, float>();
+  EXPECT_EQ(detail::exp_nonpositive(-std::numeric_limits<float>::infinity()), 0.0F);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1126,8 +936,8 @@ TEST(AttentionThreads, AutomaticCountFollowsTheWork) {
   const std::size_t hardware = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
   constexpr std::size_t kMiB = std::size_t{1} << 20;
   // A requested count is taken as it is, whatever the work.
-  EXPECT_EQ(detail::attention_threads(3, 0), 3U);
-  EXPECT_EQ(detail::attention_threads(1, 1024 * kMiB), 1U);
+  EXPECT_EQ(detail::attention_threads(3, 0, kMiB), 3U);
+  EXPECT_EQ(detail::attention_threads(1, 1024 * kMiB, kMiB), 1U);
   // Automatic: one thread per `per_thread` bytes of K and V, at least one, at most the hardware's.
   for (const std::size_t per_thread : {kMiB, kMiB / 2}) {
     EXPECT_EQ(detail::attention_threads(0, 0, per_thread), 1U);
@@ -1136,9 +946,8 @@ TEST(AttentionThreads, AutomaticCountFollowsTheWork) {
     EXPECT_EQ(detail::attention_threads(0, 3 * per_thread - 1, per_thread), std::min<std::size_t>(2, hardware));
     EXPECT_EQ(detail::attention_threads(0, per_thread * 1000, per_thread), std::min<std::size_t>(1000, hardware));
   }
-  // By default this processor's measured amount: half a MiB on Intel, a MiB elsewhere.
-  EXPECT_EQ(detail::bytes_per_thread(), detail::cpu_is_intel() ? kMiB / 2 : kMiB);
-  EXPECT_EQ(detail::attention_threads(0, 2 * detail::bytes_per_thread()), std::min<std::size_t>(2, hardware));
+  // By default a MiB of K and V per thread, on every processor.
+  EXPECT_EQ(AttentionTuning{}.bytes_per_thread, kMiB);
 }
 
 // ---------------------------------------------------------------------------------------------
