@@ -362,5 +362,47 @@ TYPED_TEST(Protocol, AMovedFromCacheHoldsNoLayersAndCanBeAssignedAgain) {
   EXPECT_EQ(flatten(this->feed_layer(cache, 2, 1)), this->expected_[2]);
 }
 
+// Every compute type the cache's format takes: what is stored is the input rounded once to the
+// format (the same bytes as handing in values already rounded), and a bad call in that type
+// throws and leaves the cache unchanged.
+template <class Cache, class In>
+void expect_input_type_rounded_once_and_checked() {
+  using T = typename Cache::value_type;
+  constexpr std::size_t B = 2, H = 2, D = 4, N = 5;
+  const Block<In> k({B, H, N, D}, 31);
+  const Block<In> v({B, H, N, D}, 32);
+  Block<T> k_rounded({B, H, N, D}, 0);
+  Block<T> v_rounded({B, H, N, D}, 0);
+  for (std::size_t i = 0; i < k.data.size(); ++i) {
+    k_rounded.data[i] = static_cast<T>(static_cast<double>(detail::widen(k.data[i])));
+    v_rounded.data[i] = static_cast<T>(static_cast<double>(detail::widen(v.data[i])));
+  }
+  KvCacheConfig config{.layers = 2, .batch = B, .kv_heads = H, .head_dim = D, .capacity = 16};
+  if constexpr (is_ring<Cache>) config.window = 16;
+  Cache given(config);
+  Cache rounded(config);
+  const auto got = flatten(given.update(0, k.view(), v.view(), arange(0, N)));
+  EXPECT_EQ(got, flatten(rounded.update(0, k_rounded.view(), v_rounded.view(), arange(0, N))));
+  const std::size_t bytes = given.bytes();
+  EXPECT_THROW(given.update(0, k.view(), v.view(), arange(4, N)), std::invalid_argument);  // positions
+  EXPECT_THROW(given.update(2, k.view(), v.view(), arange(N, N)), std::out_of_range);      // layer
+  EXPECT_THROW(given.update(0, k.view(), v.view().tokens(0, 4), arange(N, N)), std::invalid_argument);
+  EXPECT_EQ(given.length(0), N);
+  EXPECT_EQ(given.bytes(), bytes);
+  EXPECT_EQ(flatten(given.update(0, k.view().tokens(0, 0), v.view().tokens(0, 0), arange(N, 0))), got);
+}
+
+TYPED_TEST(Protocol, EveryComputeTypeIsRoundedOnceAndChecked) {
+  using Cache = TypeParam;
+  using Stored = typename Cache::value_type;
+  static_assert(kv_cache_protocol<Cache, float> && kv_cache_protocol<Cache, Eigen::half> &&
+                kv_cache_protocol<Cache, Eigen::bfloat16>);
+  static_assert(kv_cache_protocol<Cache, double> == std::is_same_v<Stored, double>);
+  expect_input_type_rounded_once_and_checked<Cache, float>();
+  expect_input_type_rounded_once_and_checked<Cache, Eigen::half>();
+  expect_input_type_rounded_once_and_checked<Cache, Eigen::bfloat16>();
+  if constexpr (std::is_same_v<Stored, double>) expect_input_type_rounded_once_and_checked<Cache, double>();
+}
+
 }  // namespace
 }  // namespace kvcache::testing
