@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <thread>
@@ -171,7 +172,7 @@ class AttentionKernel {
     fit(w.acc, rows_ * dim_);
     fit(w.max, rows_);
     fit(w.sum, rows_);
-    fit(w.scores, rows_ * tile_);
+    fit(w.scores, rows_ * scores_stride());
     fit(w.keys, tile_);
     fit(w.values, tile_);
     fit(w.positions, tile_);
@@ -237,6 +238,9 @@ class AttentionKernel {
   static constexpr std::size_t kMaxTileKeys = 2048;
   static constexpr std::size_t kAccumulators = kRegisters / 2;  // registers a V pass sums in
 
+  /// Scores a row keeps: a tile's, and room for the last group of keys to be written whole.
+  [[nodiscard]] std::size_t scores_stride() const noexcept { return tile_ + W; }
+
   /// Row r of a block is query first_query + r / G of query head kv_head * G + r % G.
   [[nodiscard]] std::size_t head_of(const AttentionItem& item, std::size_t r) const noexcept {
     return item.kv_head * group_ + r % group_;
@@ -261,7 +265,7 @@ class AttentionKernel {
 
     w.active.clear();
     for (r = 0; r < rows; ++r) {
-      Acc* scores = w.scores.data() + r * tile_;
+      Acc* scores = w.scores.data() + r * scores_stride();
       if constexpr (Codec::row_scales) {
         for (std::size_t j = 0; j < n; ++j) scores[j] *= tile.key_scales[j];
       }
@@ -347,7 +351,7 @@ class AttentionKernel {
     Acc* out[R];
     for (std::size_t r = 0; r < R; ++r) {
       q[r] = w.queries.data() + (r0 + r) * dim_;
-      out[r] = w.scores.data() + (r0 + r) * tile_;
+      out[r] = w.scores.data() + (r0 + r) * scores_stride();
     }
     for (std::size_t j = 0; j < n; j += K) {
       const Unit* rows[K];
@@ -359,7 +363,7 @@ class AttentionKernel {
       unroll<W>([&](auto i) KVCACHE_ALWAYS_INLINE { acc[i] = V{}; });
       for (std::size_t d = 0; d < body; d += W) {
         V qv[R];
-        unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { qv[r] = load<V>(q[r] + d); });
+        unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { qv[r] = in_register(load<V>(q[r] + d)); });
         unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE {
           const V x = in_register(Codec::template load<B>(rows[k], d));
           unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { acc[r * K + k] += qv[r] * x; });
@@ -370,8 +374,8 @@ class AttentionKernel {
       for (std::size_t d = body; d < dim_; ++d) {
         for (std::size_t i = 0; i < W; ++i) lanes[i] += q[i / K][d] * static_cast<Acc>(Codec::value(rows[i % K], d));
       }
-      const std::size_t valid = std::min(K, n - j);
-      for (std::size_t r = 0; r < R; ++r) std::copy_n(lanes + r * K, valid, out[r] + j);
+      // Whole groups of K, a fixed-size copy: a row's scores have room for a group past the tile.
+      for (std::size_t r = 0; r < R; ++r) std::memcpy(out[r] + j, lanes + r * K, K * sizeof(Acc));
     }
   }
 
@@ -383,7 +387,7 @@ class AttentionKernel {
     const Acc* weights[R];
     for (std::size_t r = 0; r < R; ++r) {
       acc[r] = w.acc.data() + w.active[i + r] * dim_;
-      weights[r] = w.scores.data() + w.active[i + r] * tile_;
+      weights[r] = w.scores.data() + w.active[i + r] * scores_stride();
     }
     const std::size_t vectors = dim_ / W;
     std::size_t d = 0;

@@ -15,7 +15,7 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -103,6 +103,20 @@ KVCACHE_ALWAYS_INLINE inline V in_register(V v) noexcept {
 /// A register of floats from one of bfloat16 bit patterns: each is a float's top half.
 template <std::size_t B>
 KVCACHE_ALWAYS_INLINE inline Vec<float, B> widen_bfloat16(const std::uint16_t* p) noexcept {
+  // One zero-extending load where the build has it: GCC 12 splits the generic conversion of a
+  // whole register into halves and an insert.
+#if defined(__AVX512F__)
+  if constexpr (B == 64) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return std::bit_cast<Vec<float, B>>(_mm512_slli_epi32(wide, 16));
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (B == 32) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return std::bit_cast<Vec<float, B>>(_mm256_slli_epi32(wide, 16));
+  }
+#endif
   const auto bits = __builtin_convertvector(load<Vec<std::uint16_t, B / 2>>(p), Vec<std::uint32_t, B>);
   return std::bit_cast<Vec<float, B>>(bits << 16);
 }
