@@ -237,6 +237,7 @@ class AttentionKernel {
   static constexpr std::size_t kTargetRows = 16;  // query rows a block shares K and V among
   static constexpr std::size_t kMaxTileKeys = 2048;
   static constexpr std::size_t kAccumulators = kRegisters / 2;  // registers a V pass sums in
+  static constexpr std::size_t kL1Bytes = std::size_t{16} << 10;  // stored rows a run of keys takes
 
   /// Scores a row keeps: a tile's, and room for the last group of keys to be written whole.
   [[nodiscard]] std::size_t scores_stride() const noexcept { return tile_ + W; }
@@ -254,17 +255,23 @@ class AttentionKernel {
 
   void run_tile(const AttentionItem& item, std::size_t rows, const TileKeys<Unit>& tile, Workspace& w) const noexcept {
     const std::size_t n = tile.count;
-    std::size_t r = 0;
-    if constexpr (W % 4 == 0) {
-      for (; r + 4 <= rows; r += 4) score<4>(w, r, tile);
+    // Keys in runs that stay in L1, every group of rows and every pass over a run before the
+    // next: only the first reads a row from memory, and it reads the whole row.
+    const std::size_t run = std::max(W, kL1Bytes / row_bytes(dim_) / W * W);
+    for (std::size_t j0 = 0; j0 < n; j0 += run) {
+      const std::size_t j1 = std::min(n, j0 + run);
+      std::size_t r = 0;
+      if constexpr (W % 4 == 0) {
+        for (; r + 4 <= rows; r += 4) score<4>(w, r, tile, j0, j1);
+      }
+      if constexpr (W % 2 == 0) {
+        for (; r + 2 <= rows; r += 2) score<2>(w, r, tile, j0, j1);
+      }
+      for (; r < rows; ++r) score<1>(w, r, tile, j0, j1);
     }
-    if constexpr (W % 2 == 0) {
-      for (; r + 2 <= rows; r += 2) score<2>(w, r, tile);
-    }
-    for (; r < rows; ++r) score<1>(w, r, tile);
 
     w.active.clear();
-    for (r = 0; r < rows; ++r) {
+    for (std::size_t r = 0; r < rows; ++r) {
       Acc* scores = w.scores.data() + r * scores_stride();
       if constexpr (Codec::row_scales) {
         for (std::size_t j = 0; j < n; ++j) scores[j] *= tile.key_scales[j];
@@ -276,10 +283,13 @@ class AttentionKernel {
       }
       w.active.push_back(r);
     }
-    std::size_t i = 0;
-    for (; i + 4 <= w.active.size(); i += 4) accumulate<4>(w, i, tile);
-    for (; i + 2 <= w.active.size(); i += 2) accumulate<2>(w, i, tile);
-    for (; i < w.active.size(); ++i) accumulate<1>(w, i, tile);
+    for (std::size_t j0 = 0; j0 < n; j0 += run) {
+      const std::size_t j1 = std::min(n, j0 + run);
+      std::size_t i = 0;
+      for (; i + 4 <= w.active.size(); i += 4) accumulate<4>(w, i, tile, j0, j1);
+      for (; i + 2 <= w.active.size(); i += 2) accumulate<2>(w, i, tile, j0, j1);
+      for (; i < w.active.size(); ++i) accumulate<1>(w, i, tile, j0, j1);
+    }
   }
 
   /// Sets the scores of the keys `query` may not see to -inf. Over ascending positions, those
@@ -343,7 +353,8 @@ class AttentionKernel {
   /// Scores of R query rows from r0 on against every key of the tile: W / R keys at a time, R x
   /// W / R accumulators summed together by transpose_sum, so each K row read serves R rows.
   template <std::size_t R>
-  void score(Workspace& w, std::size_t r0, const TileKeys<Unit>& tile) const noexcept {
+  void score(Workspace& w, std::size_t r0, const TileKeys<Unit>& tile, std::size_t j0,
+             std::size_t j1) const noexcept {
     constexpr std::size_t K = W / R;
     const std::size_t n = tile.count;
     const std::size_t body = dim_ / W * W;
@@ -353,7 +364,7 @@ class AttentionKernel {
       q[r] = w.queries.data() + (r0 + r) * dim_;
       out[r] = w.scores.data() + (r0 + r) * scores_stride();
     }
-    for (std::size_t j = 0; j < n; j += K) {
+    for (std::size_t j = j0; j < j1; j += K) {
       const Unit* rows[K];
       for (std::size_t k = 0; k < K; ++k) rows[k] = tile.keys[std::min(j + k, n - 1)];
       if (r0 == 0) {
@@ -382,7 +393,8 @@ class AttentionKernel {
   /// acc[r] += sum over the tile of weight[r][j] V[j] for R active rows from i on, in passes of
   /// C registers of each row's accumulators over the tile's V rows.
   template <std::size_t R>
-  void accumulate(Workspace& w, std::size_t i, const TileKeys<Unit>& tile) const noexcept {
+  void accumulate(Workspace& w, std::size_t i, const TileKeys<Unit>& tile, std::size_t j0,
+                  std::size_t j1) const noexcept {
     Acc* acc[R];
     const Acc* weights[R];
     for (std::size_t r = 0; r < R; ++r) {
@@ -391,10 +403,12 @@ class AttentionKernel {
     }
     const std::size_t vectors = dim_ / W;
     std::size_t d = 0;
-    while (vectors - d / W >= kAccumulators / R) pass<R, kAccumulators / R>(acc, weights, tile, d, i == 0 && d == 0);
-    chunks<R, kAccumulators / R / 2>(acc, weights, tile, d, vectors);
+    while (vectors - d / W >= kAccumulators / R) {
+      pass<R, kAccumulators / R>(acc, weights, tile, j0, j1, d, i == 0 && d == 0);
+    }
+    chunks<R, kAccumulators / R / 2>(acc, weights, tile, j0, j1, d, vectors);
     for (; d < dim_; ++d) {
-      for (std::size_t j = 0; j < tile.count; ++j) {
+      for (std::size_t j = j0; j < j1; ++j) {
         const auto x = static_cast<Acc>(Codec::value(tile.values[j], d));
         for (std::size_t r = 0; r < R; ++r) acc[r][d] += weights[r][j] * x;
       }
@@ -403,23 +417,23 @@ class AttentionKernel {
 
   /// The passes of C, C / 2, ..., 1 registers that cover what is left of `vectors` from d on.
   template <std::size_t R, std::size_t C>
-  void chunks(Acc* const (&acc)[R], const Acc* const (&weights)[R], const TileKeys<Unit>& tile, std::size_t& d,
-              std::size_t vectors) const noexcept {
+  void chunks(Acc* const (&acc)[R], const Acc* const (&weights)[R], const TileKeys<Unit>& tile, std::size_t j0,
+              std::size_t j1, std::size_t& d, std::size_t vectors) const noexcept {
     if constexpr (C >= 1) {
-      if (vectors - d / W >= C) pass<R, C>(acc, weights, tile, d, false);
-      chunks<R, C / 2>(acc, weights, tile, d, vectors);
+      if (vectors - d / W >= C) pass<R, C>(acc, weights, tile, j0, j1, d, false);
+      chunks<R, C / 2>(acc, weights, tile, j0, j1, d, vectors);
     }
   }
 
   /// One pass over the tile's V rows for values [d, d + C W) of R rows; advances d.
   template <std::size_t R, std::size_t C>
-  void pass(Acc* const (&acc)[R], const Acc* const (&weights)[R], const TileKeys<Unit>& tile, std::size_t& d,
-            bool first) const noexcept {
+  void pass(Acc* const (&acc)[R], const Acc* const (&weights)[R], const TileKeys<Unit>& tile, std::size_t j0,
+            std::size_t j1, std::size_t& d, bool first) const noexcept {
     V sums[R][C];
     unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE {
       unroll<C>([&](auto c) KVCACHE_ALWAYS_INLINE { sums[r][c] = load<V>(acc[r] + d + c * W); });
     });
-    for (std::size_t j = 0; j < tile.count; ++j) {
+    for (std::size_t j = j0; j < j1; ++j) {
       if (first) prefetch_rows(tile.values, j, tile.count);
       const Unit* row = tile.values[j];
       unroll<C>([&](auto c) KVCACHE_ALWAYS_INLINE {

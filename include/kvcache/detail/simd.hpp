@@ -107,14 +107,15 @@ KVCACHE_ALWAYS_INLINE inline Vec<float, B> widen_bfloat16(const std::uint16_t* p
   // whole register into halves and an insert.
 #if defined(__AVX512F__)
   if constexpr (B == 64) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return std::bit_cast<Vec<float, B>>(_mm512_slli_epi32(wide, 16));
+    const __m512i wide =
+        _mm512_maskz_cvtepu16_epi32(static_cast<__mmask16>(0xFFFF), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return std::bit_cast<Vec<float, B>>(std::bit_cast<Vec<std::uint32_t, B>>(wide) << 16);
   }
 #endif
 #if defined(__AVX2__)
   if constexpr (B == 32) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return std::bit_cast<Vec<float, B>>(_mm256_slli_epi32(wide, 16));
+    return std::bit_cast<Vec<float, B>>(std::bit_cast<Vec<std::uint32_t, B>>(wide) << 16);
   }
 #endif
   const auto bits = __builtin_convertvector(load<Vec<std::uint16_t, B / 2>>(p), Vec<std::uint32_t, B>);
