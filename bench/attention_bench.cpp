@@ -303,9 +303,10 @@ void BM_PrefillAttention(benchmark::State& state) {
   const kvcache::Segment<T>& all = setup.history.segments.front();
   std::vector<kvcache::Segment<T>> seen{all};
   if (window > 0 && keys > window + kSinks) {
-    seen = {{all.keys.tokens(0, kSinks), all.values.tokens(0, kSinks), kvcache::Positions(all.positions.data(), kSinks)},
-            {all.keys.tokens(keys - window, window), all.values.tokens(keys - window, window),
-             kvcache::Positions(all.positions.data() + keys - window, window)}};
+    seen = {
+        {all.keys.tokens(0, kSinks), all.values.tokens(0, kSinks), kvcache::Positions(all.positions.data(), kSinks)},
+        {all.keys.tokens(keys - window, window), all.values.tokens(keys - window, window),
+         kvcache::Positions(all.positions.data() + keys - window, window)}};
   }
   if (!matches_reference<Q>(state, reference_error(last_q, last_out, kvcache::History<T>{seen}, q_heads))) return;
   double pairs = 0;

@@ -35,7 +35,8 @@ using kvcache::bench::time_call;
 template <class T>
 kvcache::detail::AlignedBuffer<T> filled(std::size_t size, std::size_t salt) {
   kvcache::detail::AlignedBuffer<T> b(size);
-  for (std::size_t i = 0; i < size; ++i) b.data()[i] = kvcache::detail::narrow<T>(float((i + salt) % 97) / 97.0F - 0.5F);
+  for (std::size_t i = 0; i < size; ++i)
+    b.data()[i] = kvcache::detail::narrow<T>(float((i + salt) % 97) / 97.0F - 0.5F);
   return b;
 }
 
@@ -95,8 +96,8 @@ void BM_HeadSizes(benchmark::State& state) {
   const kvcache::Shape q_shape{1, kGroup, 1, dim};
   for (auto _ : state) {
     kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), q_shape), std::span(&at, 1),
-                              kvcache::History<T>{std::span(&segment, 1)}, kvcache::TensorView<float>(out.data(), q_shape),
-                              {.threads = 1});
+                              kvcache::History<T>{std::span(&segment, 1)},
+                              kvcache::TensorView<float>(out.data(), q_shape), {.threads = 1});
     benchmark::DoNotOptimize(out.data());
   }
   state.counters["GBps"] = benchmark::Counter(static_cast<double>(keys.bytes() + values.bytes()) * 1e-9,
@@ -114,8 +115,8 @@ void register_type(const char* name) {
       for (const long q_heads : {8L, 16L, 32L}) paged->Args({q_heads, tokens, threads});
     }
   }
-  auto* sizes = benchmark::RegisterBenchmark((std::string("HeadSizes<") + name + ">").c_str(), BM_HeadSizes<T>)
-                    ->ArgNames({"D"});
+  auto* sizes =
+      benchmark::RegisterBenchmark((std::string("HeadSizes<") + name + ">").c_str(), BM_HeadSizes<T>)->ArgNames({"D"});
   for (long dim = 8; dim <= 256; dim += smoke_mode() ? 248 : 8) sizes->Arg(dim);
 }
 

@@ -815,8 +815,19 @@ TEST(AttentionInputs, EveryComputeTypeIntoEveryFormat) {
 // Rounding to the 16-bit formats is Eigen's (to nearest even, NaN kept) for floats of every
 // exponent, the halfway cases and the edges of each format's range.
 TEST(AttentionInputs, NarrowingRoundsToNearestEvenAsEigenDoes) {
-  std::vector<float> xs = {0.0F, -0.0F, 65504.0F, 65519.0F, 65520.0F, 1e-8F, 6e-8F, 3e-8F, 1e38F, -1e38F, 3.4e38F,
-                           std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
+  std::vector<float> xs = {0.0F,
+                           -0.0F,
+                           65504.0F,
+                           65519.0F,
+                           65520.0F,
+                           1e-8F,
+                           6e-8F,
+                           3e-8F,
+                           1e38F,
+                           -1e38F,
+                           3.4e38F,
+                           std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity()};
   std::mt19937 rng(5);
   for (int i = 0; i < 200000; ++i) {
     const auto bits = static_cast<std::uint32_t>(rng());

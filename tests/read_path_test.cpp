@@ -77,14 +77,14 @@ TEST(StorageCodec, ATestOnlyFormatWithRowScalesReadsAsPlainFloat) {
     const std::size_t n = std::min<std::size_t>(100, keys - 5 - done);
     (void)ring.update(0, k.view().tokens(done, n), v.view().tokens(done, n), arange(done, n));
   }
-  const auto ring_got = attend(ring.update(0, k.view().tokens(keys - 5, 5), v.view().tokens(keys - 5, 5), positions),
-                               q, positions);
+  const auto ring_got =
+      attend(ring.update(0, k.view().tokens(keys - 5, 5), v.view().tokens(keys - 5, 5), positions), q, positions);
   EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(want.data(), ring_got.data(), want.size() * sizeof(float)));
   // The rows really are stored scaled: the first row's largest value is at most 1 and its scale
   // a power of two that gives it back.
-  const Segment<kvcache_test::Pow2Rows>& s = scaled.update(0, k.view().tokens(0, 0), v.view().tokens(0, 0), {})
-                                                 .segments[0];
+  const Segment<kvcache_test::Pow2Rows>& s =
+      scaled.update(0, k.view().tokens(0, 0), v.view().tokens(0, 0), {}).segments[0];
   EXPECT_LE(std::abs(s.keys(0, 0, 8, 0)), 1.0F);
   EXPECT_EQ(s.keys(0, 0, 8, 0) * *s.key_scales.at(0, 0, 8), k.data[8 * dim]);
   EXPECT_EQ(scaled.bytes(), plain.bytes() + 2 * 2 * 2 * keys * sizeof(float));  // the scales are counted

@@ -31,10 +31,10 @@ namespace kvcache {
 /// Threads besides the caller's are kept between calls, blocked while idle, and shared by the
 /// process; a call that finds them busy with another thread's call starts its own.
 struct AttentionOptions {
-  float scale = 0.0f;       // 0 = 1/sqrt(D)
-  std::size_t window = 0;   // 0 = none; key k visible to query p iff p - window < k <= p (or 0 <= k < sinks)
-  std::size_t sinks = 0;    // positions 0 .. sinks - 1 stay visible through the window
-  std::size_t threads = 0;  // 0 = automatic (a thread per tuning.bytes_per_thread of K and V read); 1 = caller's only
+  float scale = 0.0f;        // 0 = 1/sqrt(D)
+  std::size_t window = 0;    // 0 = none; key k visible to query p iff p - window < k <= p (or 0 <= k < sinks)
+  std::size_t sinks = 0;     // positions 0 .. sinks - 1 stay visible through the window
+  std::size_t threads = 0;   // 0 = automatic (a thread per tuning.bytes_per_thread of K and V read); 1 = caller's only
   AttentionTuning tuning{};  // tile, prefetch and thread sizes; results never depend on them
 };
 
@@ -78,10 +78,10 @@ void check_attention(const TensorView<const Q>& q, const Positions& q_positions,
           expected_given(name() + " batch", "q's batch " + std::to_string(q.batch()), std::to_string(k.batch)));
     }
     if (k.head_dim != units) {
-      throw std::invalid_argument(expected_given(name() + " row length",
-                                                 std::to_string(units) + " stored values (q's head_dim " +
-                                                     std::to_string(q.head_dim()) + ")",
-                                                 std::to_string(k.head_dim)));
+      throw std::invalid_argument(
+          expected_given(name() + " row length",
+                         std::to_string(units) + " stored values (q's head_dim " + std::to_string(q.head_dim()) + ")",
+                         std::to_string(k.head_dim)));
     }
     const std::size_t kv_heads = history.segments[0].keys.heads();
     if (k.heads != kv_heads) {
@@ -92,8 +92,8 @@ void check_attention(const TensorView<const Q>& q, const Positions& q_positions,
       throw std::invalid_argument(expected_given(name() + " row_tokens count", "its batch " + std::to_string(k.batch),
                                                  std::to_string(seg.row_tokens.size())));
     }
-    if (k.size() != 0 && (seg.keys.data() == nullptr || seg.values.data() == nullptr ||
-                          seg.positions.data() == nullptr)) {
+    if (k.size() != 0 &&
+        (seg.keys.data() == nullptr || seg.values.data() == nullptr || seg.positions.data() == nullptr)) {
       throw std::invalid_argument(name() + " keys, values and positions data: expected non-null pointers for shape " +
                                   k.str() + ", given null");
     }
@@ -114,11 +114,11 @@ void check_attention(const TensorView<const Q>& q, const Positions& q_positions,
 
 /// Runs the kernel in registers of B bytes.
 template <std::size_t B, class T>
-void attend(const QueryRows<acc_type<T>>& q, const History<T>& history, const VisibilityRule& rule,
-            acc_type<T> scale, const AttentionOptions& options) {
+void attend(const QueryRows<acc_type<T>>& q, const History<T>& history, const VisibilityRule& rule, acc_type<T> scale,
+            const AttentionOptions& options) {
   const AttentionKernel<T, B> kernel(q, history, rule, scale, options.tuning);
-  run_attention(kernel, history, q.shape.batch, history.segments.front().keys.heads(), q.shape.tokens,
-                q.shape.head_dim, options.threads, options.tuning);
+  run_attention(kernel, history, q.shape.batch, history.segments.front().keys.heads(), q.shape.tokens, q.shape.head_dim,
+                options.threads, options.tuning);
 }
 
 /// The widest registers whose lanes divide the head size (the scalar tail takes the rest).
@@ -144,8 +144,8 @@ void attend_by_width(const QueryRows<acc_type<T>>& q, const History<T>& history,
 /// same view): every query row is read before its output is written. Throws
 /// std::invalid_argument for mismatched shapes before writing anything.
 template <class T, class Q>
-void causal_attention(TensorView<const Q> q, const Positions& q_positions, const History<T>& history,
-                      TensorView<Q> out, const AttentionOptions& options = {}) {
+void causal_attention(TensorView<const Q> q, const Positions& q_positions, const History<T>& history, TensorView<Q> out,
+                      const AttentionOptions& options = {}) {
   static_assert(!std::is_const_v<Q>, "causal_attention: out must be a mutable view (TensorView<float>, not const).");
   static_assert(compute_type<Q>, "causal_attention: q and out hold float, double, Eigen::half or Eigen::bfloat16.");
   static_assert(storage_format<T>, "causal_attention: the history's format needs a storage_codec specialization.");
@@ -156,7 +156,8 @@ void causal_attention(TensorView<const Q> q, const Positions& q_positions, const
     // No key at all (this also covers a history of zero segments, whose kv_heads is unknown).
     for (std::size_t b = 0; b < q.batch(); ++b)
       for (std::size_t h = 0; h < q.heads(); ++h)
-        for (std::size_t t = 0; t < q.tokens(); ++t) std::fill_n(out.row(b, h, t), q.head_dim(), detail::narrow<Q>(0.0F));
+        for (std::size_t t = 0; t < q.tokens(); ++t)
+          std::fill_n(out.row(b, h, t), q.head_dim(), detail::narrow<Q>(0.0F));
     return;
   }
   const Acc scale =

@@ -191,14 +191,14 @@ concept storage_format = requires(std::size_t n) {
 
 /// A value type an engine computes in: float, double, Eigen::half or Eigen::bfloat16.
 template <class In>
-concept compute_type = std::is_same_v<In, float> || std::is_same_v<In, double> || detail::is_half<In> ||
-                       detail::is_bfloat16<In>;
+concept compute_type =
+    std::is_same_v<In, float> || std::is_same_v<In, double> || detail::is_half<In> || detail::is_bfloat16<In>;
 
 /// Whether a cache storing T takes k and v of type In: any compute type, but double only where
 /// T is summed in double (a double would otherwise be rounded twice on its way in).
 template <class T, class In>
-inline constexpr bool accepts_input =
-    compute_type<In> && (!std::is_same_v<In, double> || std::is_same_v<typename storage_codec<T>::acc, double>);
+inline constexpr bool accepts_input = compute_type<In> && (!std::is_same_v<In, double> ||
+                                                           std::is_same_v<typename storage_codec<T>::acc, double>);
 
 /// The type a format is summed in (float, or double for double storage).
 template <class T>

@@ -8,9 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "kvcache/codec.hpp"
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
-#include "kvcache/codec.hpp"
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/row_store.hpp"

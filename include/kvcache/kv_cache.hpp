@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "kvcache/codec.hpp"
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
-#include "kvcache/codec.hpp"
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/row_store.hpp"
@@ -40,8 +40,8 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
   /// std::length_error for a size whose bytes overflow std::size_t.
   explicit KvCache(const KvCacheConfig& config)
       : CacheBase("KvCache", detail::check_dense_config("KvCache", config)),
-        capacity_(detail::check_footprint("KvCache", geometry(), config.capacity,
-                                          sizeof(typename storage_codec<T>::unit))),
+        capacity_(
+            detail::check_footprint("KvCache", geometry(), config.capacity, sizeof(typename storage_codec<T>::unit))),
         positions_(capacity_),
         segments_(layers()) {
     std::iota(positions_.begin(), positions_.end(), std::int64_t{0});

@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
+#include "kvcache/codec.hpp"
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
-#include "kvcache/codec.hpp"
 #include "kvcache/detail/assert.hpp"
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
@@ -82,8 +82,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   /// Bytes allocated for K and V: the ring and the staging areas.
   [[nodiscard]] std::size_t bytes() const noexcept {
     std::size_t total = 0;
-    for (const Layer& l : layers_)
-      total += l.rows.bytes() + l.staging.rows.bytes();
+    for (const Layer& l : layers_) total += l.rows.bytes() + l.staging.rows.bytes();
     return total;
   }
 
@@ -157,9 +156,8 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     fold_staged(state, length);
     if (grown.tokens != 0) state.staging = std::move(grown);
     if (direct) {
-      write(state, length, tokens, [&](std::size_t from, std::size_t count, std::size_t slot) {
-        state.rows.encode(k, v, from, count, slot);
-      });
+      write(state, length, tokens,
+            [&](std::size_t from, std::size_t count, std::size_t slot) { state.rows.encode(k, v, from, count, slot); });
     } else {
       state.staging.rows.encode(k, v, 0, tokens, 0);
       std::copy(positions.begin(), positions.end(), state.staging.positions.begin());

@@ -236,7 +236,7 @@ class AttentionKernel {
  private:
   static constexpr std::size_t kTargetRows = 16;  // query rows a block shares K and V among
   static constexpr std::size_t kMaxTileKeys = 2048;
-  static constexpr std::size_t kAccumulators = kRegisters / 2;  // registers a V pass sums in
+  static constexpr std::size_t kAccumulators = kRegisters / 2;    // registers a V pass sums in
   static constexpr std::size_t kL1Bytes = std::size_t{16} << 10;  // stored rows a run of keys takes
 
   /// Scores a row keeps: a tile's, and room for the last group of keys to be written whole.
@@ -353,8 +353,7 @@ class AttentionKernel {
   /// Scores of R query rows from r0 on against every key of the tile: W / R keys at a time, R x
   /// W / R accumulators summed together by transpose_sum, so each K row read serves R rows.
   template <std::size_t R>
-  void score(Workspace& w, std::size_t r0, const TileKeys<Unit>& tile, std::size_t j0,
-             std::size_t j1) const noexcept {
+  void score(Workspace& w, std::size_t r0, const TileKeys<Unit>& tile, std::size_t j0, std::size_t j1) const noexcept {
     constexpr std::size_t K = W / R;
     const std::size_t n = tile.count;
     const std::size_t body = dim_ / W * W;

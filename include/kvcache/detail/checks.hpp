@@ -97,8 +97,7 @@ inline void check_layer(std::string_view call, std::size_t layer, std::size_t la
 /// `layer`, and the most tokens the layer may reach. Messages start "<cache>::update".
 template <class T>
 void check_update(std::string_view cache, const Geometry& g, std::size_t layer, const TensorView<const T>& k,
-                  const TensorView<const T>& v, const Positions& positions, std::size_t length,
-                  std::size_t capacity) {
+                  const TensorView<const T>& v, const Positions& positions, std::size_t length, std::size_t capacity) {
   const auto call = [&] { return std::string(cache) + "::update"; };  // built only for a message
   if (layer >= g.layers) check_layer(call(), layer, g.layers);
   const auto check_dim = [&](const char* name, const char* dim, std::size_t expected, std::size_t given) {

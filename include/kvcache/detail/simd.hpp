@@ -43,7 +43,7 @@ struct VectorOf;
 #define KVCACHE_VECTOR_OF(E, B)                     \
   template <>                                       \
   struct VectorOf<E, B> {                           \
-    typedef E type __attribute__((vector_size(B)));  \
+    typedef E type __attribute__((vector_size(B))); \
   };
 #define KVCACHE_VECTORS_OF(E) KVCACHE_VECTOR_OF(E, 16) KVCACHE_VECTOR_OF(E, 32) KVCACHE_VECTOR_OF(E, 64)
 KVCACHE_VECTORS_OF(float)
@@ -107,8 +107,8 @@ KVCACHE_ALWAYS_INLINE inline Vec<float, B> widen_bfloat16(const std::uint16_t* p
   // whole register into halves and an insert.
 #if defined(__AVX512F__)
   if constexpr (B == 64) {
-    const __m512i wide =
-        _mm512_maskz_cvtepu16_epi32(static_cast<__mmask16>(0xFFFF), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i wide = _mm512_maskz_cvtepu16_epi32(static_cast<__mmask16>(0xFFFF),
+                                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return std::bit_cast<Vec<float, B>>(std::bit_cast<Vec<std::uint32_t, B>>(wide) << 16);
   }
 #endif
@@ -133,8 +133,10 @@ KVCACHE_ALWAYS_INLINE inline Vec<float, B> widen_half(const std::uint16_t* p) no
   }
 #endif
 #if defined(__F16C__)
-  if constexpr (B == 32) return std::bit_cast<Vec<float, B>>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  if constexpr (B == 16) return std::bit_cast<Vec<float, B>>(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  if constexpr (B == 32)
+    return std::bit_cast<Vec<float, B>>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  if constexpr (B == 16)
+    return std::bit_cast<Vec<float, B>>(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #endif
   using Bits = Vec<std::uint32_t, B>;
   const Bits bits = __builtin_convertvector(load<Vec<std::uint16_t, B / 2>>(p), Bits);
