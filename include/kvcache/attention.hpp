@@ -112,11 +112,11 @@ void check_attention(const TensorView<const Q>& q, const Positions& q_positions,
   }
 }
 
-/// Runs the kernel in registers of B bytes.
-template <std::size_t B, class T>
+/// Runs the kernel in registers of B bytes, for head size Dim (0: any).
+template <std::size_t B, class T, std::size_t Dim = 0>
 void attend(const QueryRows<acc_type<T>>& q, const History<T>& history, const VisibilityRule& rule, acc_type<T> scale,
             const AttentionOptions& options) {
-  const AttentionKernel<T, B> kernel(q, history, rule, scale, options.tuning);
+  const AttentionKernel<T, B, Dim> kernel(q, history, rule, scale, options.tuning);
   run_attention(kernel, history, q.shape.batch, history.segments.front().keys.heads(), q.shape.tokens, q.shape.head_dim,
                 options.threads, options.tuning);
 }
@@ -127,6 +127,9 @@ void attend_by_width(const QueryRows<acc_type<T>>& q, const History<T>& history,
                      acc_type<T> scale, const AttentionOptions& options) {
   const std::size_t dim = q.shape.head_dim;
   constexpr std::size_t kAcc = sizeof(acc_type<T>);
+  // The head sizes most models use, known at compile time (see AttentionKernel's score).
+  if (dim == 128) return attend<kNativeBytes, T, 128>(q, history, rule, scale, options);
+  if (dim == 64) return attend<kNativeBytes, T, 64>(q, history, rule, scale, options);
   if (dim % (kNativeBytes / kAcc) == 0) return attend<kNativeBytes>(q, history, rule, scale, options);
   if constexpr (kNativeBytes >= 64) {
     if (dim % (32 / kAcc) == 0) return attend<32>(q, history, rule, scale, options);

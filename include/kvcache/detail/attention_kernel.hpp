@@ -122,8 +122,9 @@ struct AttentionItem {
 };
 
 /// The kernel for storage format T in registers of B bytes; the head size must be a multiple
-/// of the register's lanes or take the scalar tail.
-template <class T, std::size_t B>
+/// of the register's lanes or take the scalar tail. Dim, where not 0, is the head size known at
+/// compile time.
+template <class T, std::size_t B, std::size_t Dim = 0>
 class AttentionKernel {
  public:
   using Codec = storage_codec<T>;
@@ -356,7 +357,7 @@ class AttentionKernel {
   void score(Workspace& w, std::size_t r0, const TileKeys<Unit>& tile, std::size_t j0, std::size_t j1) const noexcept {
     constexpr std::size_t K = W / R;
     const std::size_t n = tile.count;
-    const std::size_t body = dim_ / W * W;
+    const std::size_t body = (Dim != 0 ? Dim : dim_) / W * W;
     const Acc* q[R];
     Acc* out[R];
     for (std::size_t r = 0; r < R; ++r) {
@@ -371,13 +372,20 @@ class AttentionKernel {
       }
       V acc[W];
       unroll<W>([&](auto i) KVCACHE_ALWAYS_INLINE { acc[i] = V{}; });
-      for (std::size_t d = 0; d < body; d += W) {
+      const auto step = [&](std::size_t d) KVCACHE_ALWAYS_INLINE {
         V qv[R];
         unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { qv[r] = in_register(load<V>(q[r] + d)); });
         unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE {
           const V x = in_register(Codec::template load<B>(rows[k], d));
           unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { acc[r * K + k] += qv[r] * x; });
         });
+      };
+      if constexpr (Dim != 0) {
+        // Every load its own instruction, moving by one stride from group to group: a pattern
+        // the hardware prefetcher follows from memory, where a loop over d is not.
+        unroll<Dim / W>([&](auto i) KVCACHE_ALWAYS_INLINE { step(i * W); });
+      } else {
+        for (std::size_t d = 0; d < body; d += W) step(d);
       }
       Acc lanes[W];
       store(lanes, transpose_sum(acc));
@@ -470,11 +478,11 @@ inline std::size_t attention_threads(std::size_t requested, std::size_t work_byt
 
 /// Runs the kernel over every item of a call, split by keys where there are fewer items than
 /// threads, and merges the splits.
-template <class T, std::size_t B>
-void run_attention(const AttentionKernel<T, B>& kernel, const History<T>& history, std::size_t batch,
+template <class T, std::size_t B, std::size_t Dim>
+void run_attention(const AttentionKernel<T, B, Dim>& kernel, const History<T>& history, std::size_t batch,
                    std::size_t kv_heads, std::size_t queries, std::size_t head_dim, std::size_t requested_threads,
                    const AttentionTuning& tuning) {
-  using Acc = typename AttentionKernel<T, B>::Acc;
+  using Acc = typename AttentionKernel<T, B, Dim>::Acc;
   constexpr std::size_t kMinSplitKeys = 512;
   std::size_t keys = 0;  // the most any batch row reads
   std::size_t read = 0;  // keys over every batch row
@@ -487,7 +495,7 @@ void run_attention(const AttentionKernel<T, B>& kernel, const History<T>& histor
   const std::size_t block = kernel.block_queries();
   const std::size_t blocks = (queries + block - 1) / block;
   const std::size_t base_items = batch * kv_heads * blocks;
-  const std::size_t work_bytes = 2 * kv_heads * read * AttentionKernel<T, B>::row_bytes(head_dim) * blocks;
+  const std::size_t work_bytes = 2 * kv_heads * read * AttentionKernel<T, B, Dim>::row_bytes(head_dim) * blocks;
   std::size_t threads = attention_threads(requested_threads, work_bytes, tuning.bytes_per_thread);
   std::size_t splits = 1;
   if (threads > base_items && keys >= 2 * kMinSplitKeys) {
@@ -512,7 +520,7 @@ void run_attention(const AttentionKernel<T, B>& kernel, const History<T>& histor
 
   std::atomic<std::size_t> next{0};
   run_workers(threads, [&](std::size_t) {
-    thread_local typename AttentionKernel<T, B>::Workspace workspace;
+    thread_local typename AttentionKernel<T, B, Dim>::Workspace workspace;
     kernel.prepare(workspace);
     for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
          i = next.fetch_add(1, std::memory_order_relaxed)) {
