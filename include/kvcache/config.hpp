@@ -1,11 +1,58 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include <concepts>
 #include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <utility>
 
 namespace kvcache {
 
-/// How a cache is sized, with designated initializers:
+namespace detail {
+
+/// A config field's name as a template argument, so that a bad value's message can name it.
+template <std::size_t N>
+struct FieldName {
+  char text[N];
+  constexpr FieldName(const char (&name)[N]) {  // NOLINT(google-explicit-constructor)
+    for (std::size_t i = 0; i < N; ++i) text[i] = name[i];
+  }
+};
+
+/// The integer types a count takes: every one but bool.
+template <class I>
+concept CountInteger = std::integral<I> && !std::same_as<I, bool>;
+
+}  // namespace detail
+
+/// A count in KvCacheConfig: takes any integer type, so an engine's `int` fields go in braces
+/// without narrowing, and reads as std::size_t. A negative value throws std::invalid_argument
+/// naming the field and the value.
+template <detail::FieldName Name>
+class Count {
+ public:
+  constexpr Count() = default;
+
+  template <detail::CountInteger I>
+  constexpr Count(I value) : value_(checked(value)) {}  // NOLINT(google-explicit-constructor)
+
+  constexpr operator std::size_t() const noexcept { return value_; }  // NOLINT(google-explicit-constructor)
+
+ private:
+  template <std::integral I>
+  static constexpr std::size_t checked(I value) {
+    if (!std::in_range<std::size_t>(value)) {
+      throw std::invalid_argument(std::string("KvCacheConfig.") + Name.text + ": expected a count >= 0, given " +
+                                  std::to_string(value));
+    }
+    return static_cast<std::size_t>(value);
+  }
+
+  std::size_t value_ = 0;
+};
+
+/// How a cache is sized, with designated initializers of any integer type:
 ///
 ///   kvcache::KvCache<float> cache({.layers = 28, .kv_heads = 8, .head_dim = 128, .capacity = 4096});
 ///   kvcache::RingKvCache<float> ring({.layers = 28, .kv_heads = 8, .head_dim = 128, .window = 4096, .sinks = 4});
@@ -15,14 +62,14 @@ namespace kvcache {
 /// the last `window` positions, the first `sinks` positions forever, and `slack` older
 /// positions so that truncate() can roll back that far after the ring has wrapped.
 struct KvCacheConfig {
-  std::size_t layers = 0;
-  std::size_t batch = 1;
-  std::size_t kv_heads = 0;
-  std::size_t head_dim = 0;
-  std::size_t capacity = 0;
-  std::size_t window = 0;
-  std::size_t sinks = 0;
-  std::size_t slack = 0;
+  Count<"layers"> layers = 0;
+  Count<"batch"> batch = 1;
+  Count<"kv_heads"> kv_heads = 0;
+  Count<"head_dim"> head_dim = 0;
+  Count<"capacity"> capacity = 0;
+  Count<"window"> window = 0;
+  Count<"sinks"> sinks = 0;
+  Count<"slack"> slack = 0;
 };
 
 }  // namespace kvcache

@@ -50,7 +50,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
         window_(config.window),
         sinks_(config.sinks),
         ring_(config.window + config.slack),
-        capacity_(config.capacity == 0 ? std::numeric_limits<std::size_t>::max() : config.capacity) {
+        capacity_(config.capacity == 0 ? std::numeric_limits<std::size_t>::max() : std::size_t{config.capacity}) {
     if (window_ == 0) throw std::invalid_argument("RingKvCache: config.window: expected > 0, given 0");
     constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
     if (config.slack > max - config.window || config.sinks > max - ring_) {
