@@ -3,6 +3,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -70,6 +71,11 @@ struct KvCacheConfig {
   Count<"window"> window = 0;
   Count<"sinks"> sinks = 0;
   Count<"slack"> slack = 0;
+  /// For formats with a scale per (layer, kv head) (fp8_e4m3): calibrated K and V scales,
+  /// layers x kv_heads each, layer-major, copied at construction. Empty: each head's scale is
+  /// set from its layer's first update (and again after reset()).
+  std::span<const float> key_scales{};
+  std::span<const float> value_scales{};
 };
 
 }  // namespace kvcache
