@@ -2,10 +2,13 @@
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
+#include <array>
+#include <cstdint>
 #include <stdexcept>
 #include <unsupported/Eigen/CXX11/Tensor>
 #include <vector>
 
+#include "kvcache/kv_cache.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
@@ -84,6 +87,55 @@ TEST(TensorView, AnEigenMapWhoseRowsAreNotContiguousIsRejected) {
   EXPECT_EQ(view(0, 0, 1, 2), contiguous(1, 2));
   const Eigen::Map<const RowMajor, 0, Strided> column(data, 4, 1, Strided(2, 3));
   EXPECT_EQ(TensorView<const float>(column)(0, 0, 3, 0), 3.0F);
+}
+
+// One token's position from a variable, never from a temporary the view would outlive.
+static_assert(std::is_convertible_v<std::int64_t&, Positions>);
+static_assert(std::is_convertible_v<const std::int64_t&, Positions>);
+static_assert(!std::is_constructible_v<Positions, std::int64_t>);
+static_assert(!std::is_constructible_v<Positions, int>);
+
+TEST(Positions, FromContiguousRangesAndOneVariable) {
+  const std::vector<std::int64_t> list = {4, 5, 6};
+  const Positions from_vector = list;
+  EXPECT_EQ(from_vector.data(), list.data());
+  EXPECT_EQ(from_vector.tokens(), 3U);
+  const std::array<std::int64_t, 2> pair = {7, 8};
+  EXPECT_EQ(Positions(pair)[1], 8);
+
+  const std::int64_t pos = 9;
+  const Positions one = pos;
+  EXPECT_EQ(one.data(), &pos);
+  EXPECT_EQ(one.tokens(), 1U);
+  EXPECT_FALSE(one.per_row());
+}
+
+TEST(Positions, NextPositionsContinueALayer) {
+  EXPECT_EQ(next_positions(5, 3), (std::vector<std::int64_t>{5, 6, 7}));
+  EXPECT_TRUE(next_positions(5, 0).empty());
+
+  // A prompt, then one token at a time, with positions no caller counts itself.
+  KvCache<float> cache({.layers = 2, .kv_heads = 1, .head_dim = 4, .capacity = 8});
+  const std::vector<float> prompt(1 * 3 * 4, 0.5F);
+  const std::vector<float> token(4, 1.0F);
+  const TensorView<const float> k_prompt(prompt.data(), {1, 1, 3, 4});
+  const TensorView<const float> k_token(token.data(), {1, 1, 1, 4});
+  for (std::size_t layer = 0; layer < 2; ++layer) {
+    const auto positions = next_positions(cache.length(layer), 3);
+    EXPECT_EQ(cache.update(layer, k_prompt, k_prompt, positions).tokens(), 3U);
+  }
+  for (std::size_t layer = 0; layer < 2; ++layer) {
+    const auto pos = static_cast<std::int64_t>(cache.length(layer));
+    const auto history = cache.update(layer, k_token, k_token, {pos});
+    ASSERT_EQ(history.segments.size(), 1U);
+    EXPECT_EQ(std::vector<std::int64_t>(history.segments[0].positions.begin(), history.segments[0].positions.end()),
+              (std::vector<std::int64_t>{0, 1, 2, 3}));
+    EXPECT_EQ(history.segments[0].keys(0, 0, 3, 0), 1.0F);
+  }
+  EXPECT_EQ(cache.length(), 4U);
+  // A position that does not continue the layer is still refused.
+  const std::int64_t stale = 2;
+  EXPECT_THROW((void)cache.update(0, k_token, k_token, {stale}), std::invalid_argument);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "kvcache/codec.hpp"
 
@@ -174,12 +175,18 @@ requires detail::RowMajorTensor4<E> || detail::RowMajorMatrix<E> TensorView(E&)
 
 /// Absolute positions of `tokens` keys or queries for every batch row: one list shared by every
 /// row (row_stride 0), or a list per row, row b's at data + b * row_stride. Converts from a
-/// std::span or any contiguous range of std::int64_t (a shared list).
+/// std::span or any contiguous range of std::int64_t (a shared list), and from one
+/// std::int64_t variable for a single token: `cache.update(layer, k, v, {pos})`.
 class Positions {
  public:
   constexpr Positions() noexcept = default;
   constexpr Positions(const std::int64_t* data, std::size_t tokens, std::size_t row_stride = 0) noexcept
       : data_(data), tokens_(tokens), row_stride_(row_stride) {}
+  /// One token at `position`, viewed in place: the variable must outlive the Positions.
+  constexpr Positions(const std::int64_t& position) noexcept  // NOLINT(google-explicit-constructor)
+      : data_(&position), tokens_(1) {}
+  // A view of a temporary (a literal, or an int converted on the way) would dangle once stored.
+  Positions(const std::int64_t&& position) = delete;
   template <std::ranges::contiguous_range R>
   requires std::is_same_v<std::remove_cv_t<std::ranges::range_value_t<R>>, std::int64_t>
   constexpr Positions(const R& shared) noexcept  // NOLINT(google-explicit-constructor)
@@ -205,6 +212,14 @@ class Positions {
   std::size_t tokens_ = 0;
   std::size_t row_stride_ = 0;
 };
+
+/// The positions of `tokens` tokens that continue a layer holding `length`:
+/// `auto positions = kvcache::next_positions(cache.length(layer), tokens);`
+[[nodiscard]] inline std::vector<std::int64_t> next_positions(std::size_t length, std::size_t tokens) {
+  std::vector<std::int64_t> positions(tokens);
+  for (std::size_t i = 0; i < tokens; ++i) positions[i] = static_cast<std::int64_t>(length + i);
+  return positions;
+}
 
 /// One float scale per stored row of a [B, H_kv, n] block, by element strides (a stride of 0
 /// repeats a scale: 0 for tokens is one scale per head). Empty (null) for formats without.
