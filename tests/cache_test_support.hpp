@@ -13,10 +13,14 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <span>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvcache/concat_kv_cache.hpp"
 #include "kvcache/kv_cache.hpp"
+#include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
 
 namespace kvcache::testing {
@@ -26,11 +30,34 @@ inline constexpr bool is_ring = false;
 template <class T>
 inline constexpr bool is_ring<RingKvCache<T>> = true;
 
-/// Every variant over every element type: the protocol's typed suites run over all of them.
-using AllCaches = ::testing::Types<KvCache<float>, KvCache<double>, KvCache<Eigen::half>, KvCache<Eigen::bfloat16>,
-                                   ConcatKvCache<float>, ConcatKvCache<double>, ConcatKvCache<Eigen::half>,
-                                   ConcatKvCache<Eigen::bfloat16>, RingKvCache<float>, RingKvCache<double>,
-                                   RingKvCache<Eigen::half>, RingKvCache<Eigen::bfloat16>>;
+/// Every variant over every storage format: the protocol's typed suites run over all of them.
+using AllCaches =
+    ::testing::Types<KvCache<float>, KvCache<double>, KvCache<Eigen::half>, KvCache<Eigen::bfloat16>, KvCache<fp8_e4m3>,
+                     KvCache<int8_rows>, KvCache<int4_groups>, ConcatKvCache<float>, ConcatKvCache<double>,
+                     ConcatKvCache<Eigen::half>, ConcatKvCache<Eigen::bfloat16>, ConcatKvCache<fp8_e4m3>,
+                     ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, RingKvCache<float>, RingKvCache<double>,
+                     RingKvCache<Eigen::half>, RingKvCache<Eigen::bfloat16>, RingKvCache<fp8_e4m3>,
+                     RingKvCache<int8_rows>, RingKvCache<int4_groups>>;
+
+/// What the suites feed a cache storing T: T itself where it is a compute type, else float.
+template <class T>
+using input_t = std::conditional_t<compute_type<T>, T, default_input<T>>;
+
+/// The head scale the suites give formats that keep one: inputs in [-1, 1] fill E4M3's range.
+inline constexpr float kTestHeadScale = 1.0F / 448.0F;
+
+/// `config` with calibrated head scales for formats that keep them, so that what a cache
+/// stores for an input does not depend on its first update.
+template <class T>
+KvCacheConfig test_config(KvCacheConfig config) {
+  if constexpr (detail::has_head_scales<T>) {
+    static const std::vector<float> scales(4096, kTestHeadScale);
+    const std::size_t n = config.layers * config.kv_heads;
+    config.key_scales = std::span<const float>(scales.data(), n);
+    config.value_scales = std::span<const float>(scales.data(), n);
+  }
+  return config;
+}
 
 /// A readable name per cache type for typed-test output.
 struct CacheName {
@@ -38,11 +65,7 @@ struct CacheName {
   static std::string GetName(int) {
     using T = typename Cache::value_type;
     std::string variant = is_ring<Cache> ? "Ring" : std::is_same_v<Cache, ConcatKvCache<T>> ? "Concat" : "Dense";
-    std::string type = std::is_same_v<T, float>         ? "float"
-                       : std::is_same_v<T, double>      ? "double"
-                       : std::is_same_v<T, Eigen::half> ? "half"
-                                                        : "bfloat16";
-    return variant + "_" + type;
+    return variant + "_" + storage_codec<T>::name;
   }
 };
 
@@ -68,23 +91,30 @@ inline std::vector<std::int64_t> arange(std::size_t first, std::size_t count) {
   return p;
 }
 
-/// The bytes of one (position) across every (b, h): keys then values.
+/// The stored bytes of one (position) across every (b, h), with their scales where the format
+/// has them: keys then values.
 using Row = std::vector<unsigned char>;
+
+inline void append_bytes(Row& row, const void* p, std::size_t n) {
+  const auto* bytes = static_cast<const unsigned char*>(p);
+  row.insert(row.end(), bytes, bytes + n);
+}
 
 /// What a history holds, by position; fails the test on a duplicate position.
 template <class T>
 std::map<std::int64_t, Row> flatten(const History<T>& history) {
+  using Unit = typename storage_codec<T>::unit;
   std::map<std::int64_t, Row> rows;
   for (const Segment<T>& s : history.segments) {
     EXPECT_EQ(s.keys.shape(), s.values.shape());
     EXPECT_EQ(s.keys.tokens(), s.positions.size());
     for (std::size_t j = 0; j < s.tokens(); ++j) {
       Row row;
-      for (const auto* view : {&s.keys, &s.values}) {
+      for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {
         for (std::size_t b = 0; b < view->batch(); ++b) {
           for (std::size_t h = 0; h < view->heads(); ++h) {
-            const auto* bytes = reinterpret_cast<const unsigned char*>(view->row(b, h, j));
-            row.insert(row.end(), bytes, bytes + view->head_dim() * sizeof(T));
+            append_bytes(row, view->row(b, h, j), view->head_dim() * sizeof(Unit));
+            if constexpr (storage_codec<T>::row_scales) append_bytes(row, scales->at(b, h, j), sizeof(float));
           }
         }
       }
@@ -94,15 +124,23 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
   return rows;
 }
 
-/// The row `flatten` would give for token t of (k, v).
-template <class T>
-Row row_of(const TensorView<const T>& k, const TensorView<const T>& v, std::size_t t) {
+/// The row `flatten` would give for token t of (k, v) stored in format T: each row encoded once.
+template <class T, class In>
+Row row_of(const TensorView<const In>& k, const TensorView<const In>& v, std::size_t t) {
+  using Codec = storage_codec<T>;
   Row row;
+  std::vector<typename Codec::unit> units(Codec::units(k.head_dim()));
   for (const auto* view : {&k, &v}) {
     for (std::size_t b = 0; b < view->batch(); ++b) {
       for (std::size_t h = 0; h < view->heads(); ++h) {
-        const auto* bytes = reinterpret_cast<const unsigned char*>(view->row(b, h, t));
-        row.insert(row.end(), bytes, bytes + view->head_dim() * sizeof(T));
+        float scale = kTestHeadScale;
+        if constexpr (detail::has_head_scales<T>) {
+          Codec::encode(view->row(b, h, t), units.data(), view->head_dim(), scale);
+        } else {
+          scale = Codec::encode(view->row(b, h, t), units.data(), view->head_dim());
+        }
+        append_bytes(row, units.data(), units.size() * sizeof(units[0]));
+        if constexpr (Codec::row_scales) append_bytes(row, &scale, sizeof(float));
       }
     }
   }

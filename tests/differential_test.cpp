@@ -51,7 +51,7 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
       config.sinks = limits.sinks;
       config.slack = limits.slack;
     }
-    Cache cache(config);
+    Cache cache(test_config<T>(config));
     std::vector<ReferenceLayer> reference(layers);
     std::vector<std::size_t> lengths(layers, 0);
     SCOPED_TRACE("sequence " + std::to_string(sequence) + " window " + std::to_string(limits.window) + " sinks " +
@@ -69,12 +69,12 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
     // Updates one layer with `tokens` fresh tokens and checks the returned history.
     const auto update = [&](std::size_t layer, std::size_t tokens) {
       const std::size_t start = lengths[layer];
-      const Block<T> k({batch, kv_heads, tokens, head_dim}, rng());
-      const Block<T> v({batch, kv_heads, tokens, head_dim}, rng());
+      const Block<input_t<T>> k({batch, kv_heads, tokens, head_dim}, rng());
+      const Block<input_t<T>> v({batch, kv_heads, tokens, head_dim}, rng());
       const auto history = cache.update(layer, k.view(), v.view(), arange(start, tokens));
       ReferenceLayer& ref = reference[layer];
       for (std::size_t t = 0; t < tokens; ++t)
-        ref.written[static_cast<std::int64_t>(start + t)] = row_of(k.view(), v.view(), t);
+        ref.written[static_cast<std::int64_t>(start + t)] = row_of<T>(k.view(), v.view(), t);
       lengths[layer] = start + tokens;
 
       const auto rows = flatten(history);
@@ -146,8 +146,8 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
         std::fill(lengths.begin(), lengths.end(), 0);
       } else {  // a bad call: must throw and change nothing (the next update checks the data)
         const std::size_t layer = pick(0, layers - 1);
-        const Block<T> k({batch, kv_heads, 1, head_dim}, rng());
-        const Block<T> wrong({batch, kv_heads + 1, 1, head_dim}, rng());
+        const Block<input_t<T>> k({batch, kv_heads, 1, head_dim}, rng());
+        const Block<input_t<T>> wrong({batch, kv_heads + 1, 1, head_dim}, rng());
         switch (pick(0, 3)) {
           case 0:
             ASSERT_THROW(cache.update(layers, k.view(), k.view(), arange(lengths[0], 1)), std::out_of_range);

@@ -28,6 +28,7 @@ template <class Cache>
 class Protocol : public ::testing::Test {
  protected:
   using T = typename Cache::value_type;
+  using In = input_t<T>;  // what the engine hands in
   static constexpr std::size_t layers = 3, batch = 2, kv_heads = 2, head_dim = 4, capacity = 16;
 
   // A ring whose window covers the whole capacity behaves like the dense caches here; the
@@ -39,7 +40,7 @@ class Protocol : public ::testing::Test {
       config.window = capacity;
       config.slack = 2;
     }
-    return Cache(config);
+    return Cache(test_config<T>(config));
   }
 
   /// Feeds `tokens` new tokens to every layer; remembers what each layer should hold.
@@ -49,13 +50,13 @@ class Protocol : public ::testing::Test {
 
   History<T> feed_layer(Cache& cache, std::size_t layer, std::size_t tokens) {
     const std::size_t start = cache.length(layer);
-    Block<T> k({batch, kv_heads, tokens, head_dim}, seed_++);
-    Block<T> v({batch, kv_heads, tokens, head_dim}, seed_++);
+    Block<In> k({batch, kv_heads, tokens, head_dim}, seed_++);
+    Block<In> v({batch, kv_heads, tokens, head_dim}, seed_++);
     const auto positions = arange(start, tokens);
     History<T> history = cache.update(layer, k.view(), v.view(), positions);
     auto& expected = expected_[layer];
     expected.erase(expected.lower_bound(static_cast<std::int64_t>(start)), expected.end());
-    for (std::size_t t = 0; t < tokens; ++t) expected[positions[t]] = row_of(k.view(), v.view(), t);
+    for (std::size_t t = 0; t < tokens; ++t) expected[positions[t]] = row_of<T>(k.view(), v.view(), t);
     return history;
   }
 
@@ -87,7 +88,7 @@ TYPED_TEST(Protocol, HistoryStaysValidWhileOtherLayersUpdate) {
 }
 
 TYPED_TEST(Protocol, StridedTokenMajorInputsAreStoredLikeDenseOnes) {
-  using E = typename TestFixture::T;
+  using E = typename TestFixture::In;
   constexpr std::size_t B = TestFixture::batch, H = TestFixture::kv_heads, D = TestFixture::head_dim;
   auto strided = this->make();
   auto dense = this->make();
@@ -188,7 +189,7 @@ TYPED_TEST(Protocol, CapacityIsEnforced) {
   auto cache = this->make();
   this->feed(cache, this->capacity);
   EXPECT_EQ(cache.length(), this->capacity);
-  Block<typename TestFixture::T> k({this->batch, this->kv_heads, 1, this->head_dim}, 99);
+  Block<typename TestFixture::In> k({this->batch, this->kv_heads, 1, this->head_dim}, 99);
   EXPECT_THROW(cache.update(0, k.view(), k.view(), arange(this->capacity, 1)), std::length_error);
 }
 
@@ -198,7 +199,7 @@ TYPED_TEST(Protocol, LengthOfABadLayerThrows) {
 }
 
 TYPED_TEST(Protocol, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
-  using E = typename TestFixture::T;
+  using E = typename TestFixture::In;
   using Cache = TypeParam;
   constexpr std::size_t B = TestFixture::batch, H = TestFixture::kv_heads, D = TestFixture::head_dim;
   const Block<E> good({B, H, 1, D}, 7);
@@ -347,7 +348,7 @@ TYPED_TEST(Protocol, AMovedFromCacheHoldsNoLayersAndCanBeAssignedAgain) {
   EXPECT_EQ(cache.length(), 0U);
   EXPECT_EQ(cache.bytes(), 0U);
   EXPECT_THROW((void)cache.length(0), std::out_of_range);
-  Block<typename TestFixture::T> k({this->batch, this->kv_heads, 1, this->head_dim}, 99);
+  Block<typename TestFixture::In> k({this->batch, this->kv_heads, 1, this->head_dim}, 99);
   EXPECT_THROW(cache.update(0, k.view(), k.view(), arange(0, 1)), std::out_of_range);
   EXPECT_THROW(cache.truncate(1), std::out_of_range);
   cache.truncate(0);
@@ -362,27 +363,22 @@ TYPED_TEST(Protocol, AMovedFromCacheHoldsNoLayersAndCanBeAssignedAgain) {
   EXPECT_EQ(flatten(this->feed_layer(cache, 2, 1)), this->expected_[2]);
 }
 
-// Every compute type the cache's format takes: what is stored is the input rounded once to the
-// format (the same bytes as handing in values already rounded), and a bad call in that type
-// throws and leaves the cache unchanged.
+// Every compute type the cache's format takes: what is stored is the input encoded once into
+// the format (each value widened exactly, then rounded or quantized once), and a bad call in
+// that type throws and leaves the cache unchanged.
 template <class Cache, class In>
 void expect_input_type_rounded_once_and_checked() {
   using T = typename Cache::value_type;
   constexpr std::size_t B = 2, H = 2, D = 4, N = 5;
   const Block<In> k({B, H, N, D}, 31);
   const Block<In> v({B, H, N, D}, 32);
-  Block<T> k_rounded({B, H, N, D}, 0);
-  Block<T> v_rounded({B, H, N, D}, 0);
-  for (std::size_t i = 0; i < k.data.size(); ++i) {
-    k_rounded.data[i] = static_cast<T>(static_cast<double>(detail::widen(k.data[i])));
-    v_rounded.data[i] = static_cast<T>(static_cast<double>(detail::widen(v.data[i])));
-  }
+  std::map<std::int64_t, Row> expected;
+  for (std::size_t t = 0; t < N; ++t) expected[static_cast<std::int64_t>(t)] = row_of<T>(k.view(), v.view(), t);
   KvCacheConfig config{.layers = 2, .batch = B, .kv_heads = H, .head_dim = D, .capacity = 16};
   if constexpr (is_ring<Cache>) config.window = 16;
-  Cache given(config);
-  Cache rounded(config);
+  Cache given(test_config<T>(config));
   const auto got = flatten(given.update(0, k.view(), v.view(), arange(0, N)));
-  EXPECT_EQ(got, flatten(rounded.update(0, k_rounded.view(), v_rounded.view(), arange(0, N))));
+  EXPECT_EQ(got, expected);
   const std::size_t bytes = given.bytes();
   EXPECT_THROW(given.update(0, k.view(), v.view(), arange(4, N)), std::invalid_argument);  // positions
   EXPECT_THROW(given.update(2, k.view(), v.view(), arange(N, N)), std::out_of_range);      // layer

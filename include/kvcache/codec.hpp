@@ -17,7 +17,18 @@
 //   };
 //
 // encode returns the row's scale (ignored without row_scales); load gives the B / 4 values from
-// d on, unscaled; the kernel multiplies a row's products by its scale once.
+// d on, unscaled; the kernel multiplies a row's products by its scale once. Optional members:
+//
+//     static constexpr const char* name = "my_format";   // for messages
+//     static constexpr float max_magnitude = 65504.0F;  // update() refuses non-finite input and
+//                                                       // input beyond this, cache unchanged
+//     static constexpr bool head_scales = true;         // one scale per (layer, kv head) instead,
+//     static float scale_for(float amax) noexcept;      // set from a head's first update, and
+//     template <class In>                               // encode given it; returns the values
+//     static std::size_t encode(const In*, unit*, std::size_t, float scale) noexcept;  // clipped
+//
+// A format with head_scales also has row_scales: its segments repeat the head's scale for
+// every row (a token stride of 0), so the kernel reads both kinds the same way.
 
 #include <bit>
 #include <concepts>
@@ -172,13 +183,47 @@ struct PlainCodec {
 }  // namespace detail
 
 template <>
-struct storage_codec<float> : detail::PlainCodec<float> {};
+struct storage_codec<float> : detail::PlainCodec<float> {
+  static constexpr const char* name = "float";
+};
 template <>
-struct storage_codec<double> : detail::PlainCodec<double> {};
+struct storage_codec<double> : detail::PlainCodec<double> {
+  static constexpr const char* name = "double";
+};
 template <>
-struct storage_codec<Eigen::half> : detail::SixteenBitCodec<Eigen::half> {};
+struct storage_codec<Eigen::half> : detail::SixteenBitCodec<Eigen::half> {
+  static constexpr const char* name = "half";
+};
 template <>
-struct storage_codec<Eigen::bfloat16> : detail::SixteenBitCodec<Eigen::bfloat16> {};
+struct storage_codec<Eigen::bfloat16> : detail::SixteenBitCodec<Eigen::bfloat16> {
+  static constexpr const char* name = "bfloat16";
+};
+
+namespace detail {
+
+/// Whether format T keeps one scale per (layer, kv head), given to its encode.
+template <class T>
+inline constexpr bool has_head_scales = requires {
+  requires storage_codec<T>::head_scales;
+};
+
+/// Whether update() checks every input value of format T (finite, within max_magnitude).
+template <class T>
+inline constexpr bool checks_input = requires {
+  storage_codec<T>::max_magnitude;
+};
+
+/// Format T's name for messages.
+template <class T>
+constexpr const char* format_name() noexcept {
+  if constexpr (requires { storage_codec<T>::name; }) {
+    return storage_codec<T>::name;
+  } else {
+    return "this format";
+  }
+}
+
+}  // namespace detail
 
 /// A storage format: a type with a complete storage_codec.
 template <class T>

@@ -38,7 +38,9 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
       : CacheBase("ConcatKvCache", detail::check_dense_config("ConcatKvCache", config)),
         capacity_(detail::check_footprint("ConcatKvCache", geometry(), config.capacity,
                                           sizeof(typename storage_codec<T>::unit))),
-        layers_(layers()) {}
+        layers_(layers()) {
+    init_scales<T>(config);
+  }
 
   // update(layer, k, v, positions): same contract as KvCache::update; reallocates the layer's
   // K and V every time.
@@ -47,7 +49,7 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
   /// Bytes allocated for K and V now (grows with the sequence).
   [[nodiscard]] std::size_t bytes() const noexcept {
-    std::size_t total = 0;
+    std::size_t total = scale_bytes();
     for (const Layer& l : layers_) total += l.rows.bytes();
     return total;
   }
@@ -58,7 +60,10 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
     check_truncate(length);
     set_all_lengths(length);
   }
-  void reset() noexcept { set_all_lengths(0); }
+  void reset() noexcept {
+    set_all_lengths(0);
+    reset_scales();
+  }
 
  private:
   friend class detail::ComputeTypeUpdates<ConcatKvCache<T>, T>;
@@ -73,6 +78,7 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t length = check_update(layer, k, v, positions, capacity_);
+    const auto scales = prepare_update<T>(layer, k, v);
     Layer& old = layers_[layer];
     const std::size_t total = length + k.tokens();
     // Plain pages, as a framework's allocator gives a concatenation (this is the baseline).
@@ -80,11 +86,11 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
     Layer grown{detail::RowStore<T>(batch(), kv_heads(), head_dim(), total, kPlain), std::vector<std::int64_t>(total)};
     // The allocations above are the only steps that can throw; from here on nothing does.
     if (length != 0) grown.rows.copy(old.rows, 0, length, 0);
-    grown.rows.encode(k, v, 0, k.tokens(), length);
+    commit_update(layer, scales, grown.rows.encode(k, v, 0, k.tokens(), length, head_scale_view(scales)));
     std::iota(grown.positions.begin(), grown.positions.end(), std::int64_t{0});
     old = std::move(grown);
     set_length(layer, total);
-    old.segment = old.rows.segment(0, total, old.positions);
+    old.segment = old.rows.segment(0, total, old.positions, head_scale_view(layer));
     return {std::span<const Segment<T>>(&old.segment, 1)};
   }
 

@@ -45,6 +45,7 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
         positions_(capacity_),
         segments_(layers()) {
     std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
+    init_scales<T>(config);
     rows_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(batch(), kv_heads(), head_dim(), capacity_);
   }
@@ -59,7 +60,7 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
   /// Bytes allocated for K and V (and their scales, for formats that have them).
   [[nodiscard]] std::size_t bytes() const noexcept {
-    std::size_t total = 0;
+    std::size_t total = scale_bytes();
     for (const auto& r : rows_) total += r.bytes();
     return total;
   }
@@ -70,7 +71,10 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
     check_truncate(length);
     set_all_lengths(length);
   }
-  void reset() noexcept { set_all_lengths(0); }
+  void reset() noexcept {
+    set_all_lengths(0);
+    reset_scales();
+  }
 
  private:
   friend class detail::ComputeTypeUpdates<KvCache<T>, T>;
@@ -79,10 +83,11 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t start = check_update(layer, k, v, positions, capacity_);
-    rows_[layer].encode(k, v, 0, k.tokens(), start);
+    const auto scales = prepare_update<T>(layer, k, v);
+    commit_update(layer, scales, rows_[layer].encode(k, v, 0, k.tokens(), start, head_scale_view(scales)));
     const std::size_t end = start + k.tokens();
     set_length(layer, end);
-    segments_[layer] = rows_[layer].segment(0, end, Positions(positions_.data(), end));
+    segments_[layer] = rows_[layer].segment(0, end, Positions(positions_.data(), end), head_scale_view(layer));
     return {std::span<const Segment<T>>(&segments_[layer], 1)};
   }
 

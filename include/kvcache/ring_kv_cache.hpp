@@ -59,6 +59,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
                               std::to_string(config.slack));
     }
     detail::check_footprint("RingKvCache", geometry(), slots(), sizeof(typename storage_codec<T>::unit));
+    init_scales<T>(config);
     layers_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) {
       layers_.push_back(Layer{Rows(batch(), kv_heads(), head_dim(), slots()), std::vector<std::int64_t>(slots(), -1)});
@@ -81,7 +82,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   [[nodiscard]] std::size_t slots() const noexcept { return sinks_ + ring_; }
   /// Bytes allocated for K and V: the ring and the staging areas.
   [[nodiscard]] std::size_t bytes() const noexcept {
-    std::size_t total = 0;
+    std::size_t total = scale_bytes();
     for (const Layer& l : layers_) total += l.rows.bytes() + l.staging.rows.bytes();
     return total;
   }
@@ -117,6 +118,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   void reset() noexcept {
     for (Layer& state : layers_) state.stored_end = state.oldest = 0;
     set_all_lengths(0);
+    reset_scales();
   }
 
  private:
@@ -145,6 +147,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t length = check_update(layer, k, v, positions, capacity_);
+    const auto scales = prepare_update<T>(layer, k, v);
     Layer& state = layers_[layer];
     const std::size_t tokens = k.tokens();
     // Writing position p overwrites p - ring: safe while that is older than the chunk's first
@@ -155,15 +158,18 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     // Nothing below throws.
     fold_staged(state, length);
     if (grown.tokens != 0) state.staging = std::move(grown);
+    std::size_t clipped = 0;
     if (direct) {
-      write(state, length, tokens,
-            [&](std::size_t from, std::size_t count, std::size_t slot) { state.rows.encode(k, v, from, count, slot); });
+      write(state, length, tokens, [&](std::size_t from, std::size_t count, std::size_t slot) {
+        clipped += state.rows.encode(k, v, from, count, slot, head_scale_view(scales));
+      });
     } else {
-      state.staging.rows.encode(k, v, 0, tokens, 0);
+      clipped = state.staging.rows.encode(k, v, 0, tokens, 0, head_scale_view(scales));
       std::copy(positions.begin(), positions.end(), state.staging.positions.begin());
     }
+    commit_update(layer, scales, clipped);
     set_length(layer, length + tokens);
-    return history(state, length, length + tokens);
+    return history(state, head_scale_view(layer), length, length + tokens);
   }
 
   [[nodiscard]] std::size_t slot_of(std::size_t position) const noexcept {
@@ -206,10 +212,11 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   /// The segments attention may read for a layer holding `length` tokens whose queries start at
   /// position `first_query`, oldest first: the sinks, then the held positions from the first
   /// query's window on (older ones, kept for truncate() or overwritten later, no query reads).
-  History<T> history(Layer& state, std::size_t first_query, std::size_t length) {
+  History<T> history(Layer& state, detail::HeadScaleView scales, std::size_t first_query, std::size_t length) {
     std::size_t count = 0;
     const auto add_slots = [&](std::size_t slot, std::size_t tokens) {
-      state.segments[count++] = state.rows.segment(slot, tokens, Positions(state.positions.data() + slot, tokens));
+      state.segments[count++] =
+          state.rows.segment(slot, tokens, Positions(state.positions.data() + slot, tokens), scales);
     };
     if (const std::size_t sink_count = std::min(sinks_, state.stored_end); sink_count != 0) add_slots(0, sink_count);
     const std::size_t window_start = first_query + 1 > window_ ? first_query + 1 - window_ : 0;
@@ -224,7 +231,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     if (length > state.stored_end) {
       const std::size_t staged = length - state.stored_end;
       state.segments[count++] =
-          state.staging.rows.segment(0, staged, Positions(state.staging.positions.data(), staged));
+          state.staging.rows.segment(0, staged, Positions(state.staging.positions.data(), staged), scales);
     }
     KVCACHE_ASSERT(count <= state.segments.size(), "RingKvCache: more segments than expected");
     return {std::span<const Segment<T>>(state.segments.data(), count), window_, sinks_};

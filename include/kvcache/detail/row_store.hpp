@@ -11,6 +11,12 @@
 
 namespace kvcache::detail {
 
+/// A layer's K and V scales per kv head, for formats with head scales (null otherwise).
+struct HeadScaleView {
+  const float* keys = nullptr;
+  const float* values = nullptr;
+};
+
 /// K and V rows of format T for a [batch, heads, slots] block, with their scales where the
 /// format has them: what every cache variant keeps its tokens in. Rows are written once from
 /// the engine's values through the codec (encode) and afterwards only copied as stored bytes,
@@ -30,31 +36,43 @@ class RowStore {
         slots_(slots),
         keys_(batch * heads * slots * units_, options),
         values_(batch * heads * slots * units_, options),
-        key_scales_(Codec::row_scales ? batch * heads * slots : 0, options),
-        value_scales_(Codec::row_scales ? batch * heads * slots : 0, options) {}
+        key_scales_(kRowScales ? batch * heads * slots : 0, options),
+        value_scales_(kRowScales ? batch * heads * slots : 0, options) {}
 
   [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
   [[nodiscard]] std::size_t bytes() const noexcept {
     return keys_.bytes() + values_.bytes() + key_scales_.bytes() + value_scales_.bytes();
   }
 
-  /// Stores tokens [first, first + count) of k and v ([B, H, T, D]) in slots [slot, slot + count).
+  /// Stores tokens [first, first + count) of k and v ([B, H, T, D]) in slots [slot, slot + count),
+  /// with the layer's head scales where the format has them (a 0 scale encodes as 1: the head
+  /// has seen only zeros). Returns the values that saturated.
   template <class In>
-  void encode(const TensorView<const In>& k, const TensorView<const In>& v, std::size_t first, std::size_t count,
-              std::size_t slot) noexcept {
+  std::size_t encode(const TensorView<const In>& k, const TensorView<const In>& v, std::size_t first, std::size_t count,
+                     std::size_t slot, HeadScaleView head_scales = {}) noexcept {
+    std::size_t clipped = 0;
     for (std::size_t b = 0; b < batch_; ++b) {
       for (std::size_t h = 0; h < heads_; ++h) {
         for (std::size_t i = 0; i < count; ++i) {
           const std::size_t at = index(b, h, slot + i);
-          const float ks = Codec::encode(k.row(b, h, first + i), keys_.data() + at * units_, head_dim_);
-          const float vs = Codec::encode(v.row(b, h, first + i), values_.data() + at * units_, head_dim_);
-          if constexpr (Codec::row_scales) {
-            key_scales_.data()[at] = ks;
-            value_scales_.data()[at] = vs;
+          if constexpr (has_head_scales<T>) {
+            const auto scale = [](float s) { return s != 0.0F ? s : 1.0F; };
+            clipped += Codec::encode(k.row(b, h, first + i), keys_.data() + at * units_, head_dim_,
+                                     scale(head_scales.keys[h]));
+            clipped += Codec::encode(v.row(b, h, first + i), values_.data() + at * units_, head_dim_,
+                                     scale(head_scales.values[h]));
+          } else {
+            const float ks = Codec::encode(k.row(b, h, first + i), keys_.data() + at * units_, head_dim_);
+            const float vs = Codec::encode(v.row(b, h, first + i), values_.data() + at * units_, head_dim_);
+            if constexpr (Codec::row_scales) {
+              key_scales_.data()[at] = ks;
+              value_scales_.data()[at] = vs;
+            }
           }
         }
       }
     }
+    return clipped;
   }
 
   /// Copies the stored rows of slots [from_slot, from_slot + count) of `from` to [slot, ...).
@@ -67,7 +85,7 @@ class RowStore {
                     count * units_ * sizeof(Unit));
         std::memcpy(static_cast<void*>(values_.data() + dst * units_), from.values_.data() + src * units_,
                     count * units_ * sizeof(Unit));
-        if constexpr (Codec::row_scales) {
+        if constexpr (kRowScales) {
           std::copy_n(from.key_scales_.data() + src, count, key_scales_.data() + dst);
           std::copy_n(from.value_scales_.data() + src, count, value_scales_.data() + dst);
         }
@@ -75,13 +93,19 @@ class RowStore {
     }
   }
 
-  /// Slots [slot, slot + count) as a segment with the given positions.
-  [[nodiscard]] Segment<T> segment(std::size_t slot, std::size_t count, Positions positions) const noexcept {
+  /// Slots [slot, slot + count) as a segment with the given positions (and the layer's head
+  /// scales, for formats that have them).
+  [[nodiscard]] Segment<T> segment(std::size_t slot, std::size_t count, Positions positions,
+                                   HeadScaleView head_scales = {}) const noexcept {
     const Shape shape{batch_, heads_, count, units_};
     const Strides strides{heads_ * slots_ * units_, slots_ * units_, units_};
     Segment<T> s{TensorView<const Unit>(keys_.data() + slot * units_, shape, strides),
                  TensorView<const Unit>(values_.data() + slot * units_, shape, strides), positions};
-    if constexpr (Codec::row_scales) {
+    if constexpr (has_head_scales<T>) {
+      const Strides per_head{0, 1, 0};
+      s.key_scales = RowScales{head_scales.keys, per_head};
+      s.value_scales = RowScales{head_scales.values, per_head};
+    } else if constexpr (kRowScales) {
       const Strides scale_strides{heads_ * slots_, slots_, 1};
       s.key_scales = RowScales{key_scales_.data() + slot, scale_strides};
       s.value_scales = RowScales{value_scales_.data() + slot, scale_strides};
@@ -90,6 +114,8 @@ class RowStore {
   }
 
  private:
+  static constexpr bool kRowScales = Codec::row_scales && !has_head_scales<T>;  // kept here, a scale a row
+
   [[nodiscard]] std::size_t index(std::size_t b, std::size_t h, std::size_t slot) const noexcept {
     return (b * heads_ + h) * slots_ + slot;
   }

@@ -52,6 +52,12 @@ KVCACHE_VECTORS_OF(std::int32_t)
 KVCACHE_VECTORS_OF(std::uint32_t)
 KVCACHE_VECTORS_OF(std::uint16_t)
 KVCACHE_VECTOR_OF(std::uint16_t, 8)
+KVCACHE_VECTOR_OF(std::int8_t, 4)
+KVCACHE_VECTOR_OF(std::int8_t, 8)
+KVCACHE_VECTOR_OF(std::int8_t, 16)
+KVCACHE_VECTOR_OF(std::uint8_t, 4)
+KVCACHE_VECTOR_OF(std::uint8_t, 8)
+KVCACHE_VECTOR_OF(std::uint8_t, 16)
 #undef KVCACHE_VECTORS_OF
 #undef KVCACHE_VECTOR_OF
 

@@ -1,0 +1,241 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Quantized storage formats: rows of 8 or 4 bits with their scales, read by attention through
+// their codecs (dequantized in registers, never copied into a dense buffer).
+//
+//   kvcache::KvCache<kvcache::fp8_e4m3> cache({.layers = 28, .kv_heads = 8, .head_dim = 128, .capacity = 4096});
+//
+// fp8_e4m3    OCP e4m3fn bytes (largest finite 448, no infinities) with one float scale per
+//             (layer, kv head) for K and one for V: given in KvCacheConfig::key_scales /
+//             value_scales (calibrated), else set from the first update of that layer (amax / 448).
+//             A later value beyond 464 x scale (that would not round to 448) saturates at 448
+//             and is counted by the cache's clipped().
+// int8_rows   symmetric int8 with one float scale per (token, kv head) row: amax / 127.
+// int4_groups groups of 32 values along the head, each with a half-precision scale and minimum,
+//             two values a byte (20 bytes a group).
+//
+// Each takes only finite input (int4_groups: of magnitude at most 65504, its scales' range);
+// other input is refused by update() with the cache unchanged.
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "kvcache/codec.hpp"
+#include "kvcache/detail/simd.hpp"
+
+namespace kvcache {
+
+/// FP8 E4M3 (OCP e4m3fn) with a scale per (layer, kv head).
+struct fp8_e4m3 {};
+/// int8 with a scale per (token, kv head) row.
+struct int8_rows {};
+/// int4 in groups of 32 with a scale and a minimum per group.
+struct int4_groups {};
+
+namespace detail {
+
+/// E4M3's largest finite magnitude.
+inline constexpr float kE4M3Max = 448.0F;
+
+/// The e4m3fn code of x, rounded to nearest even, saturating at +-448 (NaN is the caller's to
+/// refuse: it gives 0x7F).
+inline std::uint8_t e4m3_of(float x) noexcept {
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(x);
+  const auto sign = static_cast<std::uint8_t>((bits >> 24) & 0x80U);
+  const float magnitude = std::fabs(x);
+  if (std::isnan(x)) return 0x7F;
+  if (magnitude >= kE4M3Max) return sign | 0x7EU;
+  if (magnitude < 0x1p-6F) {
+    // Subnormal: a multiple of 2^-9, which is float's step in [2^14, 2^15), so adding 2^14
+    // rounds to one (to nearest even) and leaves it in the low mantissa bits.
+    const float shifted = magnitude + 0x1p14F;
+    return static_cast<std::uint8_t>(sign |
+                                     (std::bit_cast<std::uint32_t>(shifted) - std::bit_cast<std::uint32_t>(0x1p14F)));
+  }
+  const std::uint32_t m = std::bit_cast<std::uint32_t>(magnitude);
+  const std::uint32_t rounded = (m + 0x7FFFFU + ((m >> 20) & 1U)) >> 20;  // 3 mantissa bits, nearest even
+  return static_cast<std::uint8_t>(sign | std::min<std::uint32_t>(rounded - (120U << 3), 0x7EU));
+}
+
+/// The value of an e4m3fn code (0x7F and 0xFF, its NaNs, give NaN).
+inline float float_of_e4m3(std::uint8_t code) noexcept {
+  if ((code & 0x7FU) == 0x7FU) return std::numeric_limits<float>::quiet_NaN();
+  const auto magnitude = static_cast<std::uint32_t>(code & 0x7FU);
+  // The code's exponent and mantissa moved into a float's place are the value times 2^-120.
+  const float value = std::bit_cast<float>(magnitude << 20) * 0x1p120F;
+  return (code & 0x80U) != 0 ? -value : value;
+}
+
+/// Half-precision bits of x rounded toward +inf (up) or -inf (down), for group scales and
+/// minimums that must not shrink the range they cover.
+inline std::uint16_t half_bits_toward(float x, bool up) noexcept {
+  std::uint16_t h = half_bits_of(x);
+  const float v = float_of_half_bits(h);
+  const bool negative = (h & 0x8000U) != 0;
+  if (up && v < x) {
+    h = negative ? (h == 0x8000U ? std::uint16_t{1} : static_cast<std::uint16_t>(h - 1))
+                 : static_cast<std::uint16_t>(h + 1);
+  } else if (!up && v > x) {
+    h = negative ? static_cast<std::uint16_t>(h + 1)
+                 : (h == 0 ? std::uint16_t{0x8001} : static_cast<std::uint16_t>(h - 1));
+  }
+  return h;
+}
+
+/// Rounds to the nearest integer, ties to even (the default rounding mode's rint).
+inline float round_even(float x) noexcept { return std::nearbyint(x); }
+
+}  // namespace detail
+
+template <>
+struct storage_codec<fp8_e4m3> {
+  using unit = std::uint8_t;
+  using acc = float;
+  static constexpr const char* name = "fp8_e4m3";
+  static constexpr bool row_scales = true;   // the head's scale, repeated for every row
+  static constexpr bool head_scales = true;  // one scale per (layer, kv head), given to encode
+  static constexpr float max_magnitude = std::numeric_limits<float>::max();
+  static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
+
+  /// The scale that maps a head's largest magnitude to E4M3's largest.
+  static float scale_for(float amax) noexcept { return amax / detail::kE4M3Max; }
+
+  /// Beyond this, rounding to nearest even would give more than 448 (up to it, 448 is nearest).
+  static constexpr float kSaturatesAbove = 464.0F;
+
+  /// Stores in / scale; returns how many values saturated at +-448.
+  template <class In>
+  static std::size_t encode(const In* in, unit* row, std::size_t head_dim, float scale) noexcept {
+    const float inverse = 1.0F / scale;
+    std::size_t clipped = 0;
+    for (std::size_t d = 0; d < head_dim; ++d) {
+      const float x = static_cast<float>(detail::widen(in[d])) * inverse;
+      if (std::fabs(x) > kSaturatesAbove) ++clipped;
+      row[d] = detail::e4m3_of(x);
+    }
+    return clipped;
+  }
+  template <std::size_t B>
+  KVCACHE_ALWAYS_INLINE static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
+    using Bytes = detail::Vec<std::int8_t, B / 4>;
+    using Ints = detail::Vec<std::int32_t, B>;
+    // Sign-extended, shifted so the exponent and mantissa sit in a float's place, the sign's
+    // copies masked off: the value times 2^-120.
+    const Ints wide = __builtin_convertvector(detail::load<Bytes>(row + d), Ints) << 20;
+    const auto bits = wide & static_cast<std::int32_t>(0x87F00000U);
+    return std::bit_cast<detail::Vec<float, B>>(bits) * 0x1p120F;
+  }
+  static float value(const unit* row, std::size_t d) noexcept { return detail::float_of_e4m3(row[d]); }
+};
+
+template <>
+struct storage_codec<int8_rows> {
+  using unit = std::int8_t;
+  using acc = float;
+  static constexpr const char* name = "int8_rows";
+  static constexpr bool row_scales = true;
+  static constexpr float max_magnitude = std::numeric_limits<float>::max();
+  static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
+
+  /// Stores round(in / scale) with scale = amax / 127 (1 for a row of zeros); returns scale.
+  template <class In>
+  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+    float amax = 0.0F;
+    for (std::size_t d = 0; d < head_dim; ++d)
+      amax = std::max(amax, std::fabs(static_cast<float>(detail::widen(in[d]))));
+    const float scale = amax > 0.0F ? amax / 127.0F : 1.0F;
+    const float inverse = 127.0F / std::max(amax, std::numeric_limits<float>::min());
+    for (std::size_t d = 0; d < head_dim; ++d) {
+      const float q = detail::round_even(static_cast<float>(detail::widen(in[d])) * inverse);
+      row[d] = static_cast<std::int8_t>(std::clamp(q, -127.0F, 127.0F));
+    }
+    return scale;
+  }
+  template <std::size_t B>
+  KVCACHE_ALWAYS_INLINE static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
+    using Bytes = detail::Vec<std::int8_t, B / 4>;
+    return __builtin_convertvector(__builtin_convertvector(detail::load<Bytes>(row + d), detail::Vec<std::int32_t, B>),
+                                   detail::Vec<float, B>);
+  }
+  static float value(const unit* row, std::size_t d) noexcept { return static_cast<float>(row[d]); }
+};
+
+template <>
+struct storage_codec<int4_groups> {
+  using unit = std::uint8_t;
+  using acc = float;
+  static constexpr const char* name = "int4_groups";
+  static constexpr bool row_scales = false;  // the scales are inside the row, a pair a group
+  static constexpr float max_magnitude = 65504.0F;
+  static constexpr std::size_t kGroup = 32;
+  // A group: half scale, half minimum, then 16 bytes whose low nibbles hold values 0-15 and
+  // high nibbles 16-31, so that a register's values come from one nibble of adjacent bytes.
+  static constexpr std::size_t kGroupBytes = 4 + kGroup / 2;
+  static constexpr std::size_t units(std::size_t head_dim) noexcept {
+    return (head_dim + kGroup - 1) / kGroup * kGroupBytes;
+  }
+
+  template <class In>
+  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+    for (std::size_t g0 = 0; g0 < head_dim; g0 += kGroup) {
+      const std::size_t n = std::min(kGroup, head_dim - g0);
+      float lo = std::numeric_limits<float>::max();
+      float hi = std::numeric_limits<float>::lowest();
+      for (std::size_t i = 0; i < n; ++i) {
+        const auto x = static_cast<float>(detail::widen(in[g0 + i]));
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+      }
+      // The minimum rounded down and the scale up, so that 0..15 still cover [lo, hi].
+      const std::uint16_t min_bits = detail::half_bits_toward(lo, false);
+      const float min = detail::float_of_half_bits(min_bits);
+      const std::uint16_t scale_bits = detail::half_bits_toward((hi - min) / 15.0F, true);
+      const float scale = detail::float_of_half_bits(scale_bits);
+      unit* group = row + g0 / kGroup * kGroupBytes;
+      std::memcpy(group, &scale_bits, 2);
+      std::memcpy(group + 2, &min_bits, 2);
+      std::memset(group + 4, 0, kGroup / 2);
+      for (std::size_t i = 0; i < n; ++i) {
+        const float x = static_cast<float>(detail::widen(in[g0 + i]));
+        const float q = scale > 0.0F ? std::clamp(detail::round_even((x - min) / scale), 0.0F, 15.0F) : 0.0F;
+        group[4 + i % 16] = static_cast<unit>(group[4 + i % 16] | (static_cast<unsigned>(q) << (i / 16 * 4)));
+      }
+    }
+    return 1.0F;
+  }
+  template <std::size_t B>
+  KVCACHE_ALWAYS_INLINE static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
+    using Bytes = detail::Vec<std::uint8_t, B / 4>;
+    using Ints = detail::Vec<std::int32_t, B>;
+    const unit* group = row + d / kGroup * kGroupBytes;
+    const std::size_t at = d % kGroup;  // registers of 4, 8 or 16 values never cross a group
+    const Ints wide = __builtin_convertvector(detail::load<Bytes>(group + 4 + at % 16), Ints);
+    const Ints q = (wide >> static_cast<int>(at / 16 * 4)) & 15;
+    const auto [scale, min] = scale_and_min(group);
+    return __builtin_convertvector(q, detail::Vec<float, B>) * scale + min;
+  }
+  static float value(const unit* row, std::size_t d) noexcept {
+    const unit* group = row + d / kGroup * kGroupBytes;
+    const std::size_t at = d % kGroup;
+    const auto [scale, min] = scale_and_min(group);
+    return static_cast<float>((group[4 + at % 16] >> (at / 16 * 4)) & 15U) * scale + min;
+  }
+
+ private:
+  struct ScaleAndMin {
+    float scale, min;
+  };
+  KVCACHE_ALWAYS_INLINE static ScaleAndMin scale_and_min(const unit* group) noexcept {
+    std::uint16_t bits[2];
+    std::memcpy(bits, group, 4);
+    return {detail::float_of_half_bits(bits[0]), detail::float_of_half_bits(bits[1])};
+  }
+};
+
+}  // namespace kvcache
