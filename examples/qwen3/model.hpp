@@ -6,8 +6,8 @@
 // Per layer: RMSNorm -> q/k/v projections -> per-head RMSNorm on q and k -> rotary embedding
 // (rotate-half) -> grouped-query causal attention -> o projection -> residual -> RMSNorm ->
 // SwiGLU MLP down(silu(gate(x)) * up(x)) -> residual. Then a final RMSNorm and logits through
-// the embedding matrix (or lm_head). Everything computes in float; the cache may store K and V
-// as float, double, Eigen::half or Eigen::bfloat16.
+// the embedding matrix (or lm_head). Everything computes in float; the cache stores K and V in
+// its own format (float, double, Eigen::half, Eigen::bfloat16, or a quantized one).
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +25,7 @@
 
 #include "kvcache/attention.hpp"
 #include "kvcache/concepts.hpp"
+#include "kvcache/kv_cache.hpp"
 #include "kvcache/views.hpp"
 #include "qwen3/config.hpp"
 
@@ -179,6 +180,13 @@ struct Window {
   std::size_t sinks = 0;
 };
 
+/// Calibrated K and V scales per (layer, kv head), layer-major, for formats that keep one
+/// (kvcache::fp8_e4m3); empty: set from the data. As KvCacheConfig::key_scales / value_scales.
+struct HeadScales {
+  std::span<const float> keys{};
+  std::span<const float> values{};
+};
+
 /// The decoder. forward() reads and extends any cache that follows kvcache's protocol;
 /// forward_uncached() recomputes the whole sequence with none.
 ///
@@ -216,18 +224,17 @@ class Model {
 
   /// Logits [T, vocab] (or [1, vocab] for Logits::last) of `tokens` at positions
   /// cache.length() + 0..T-1, writing their K and V into `cache` (batch 1, the config's kv
-  /// heads and head_dim). Throws std::out_of_range for a token outside the vocabulary before
-  /// touching the cache; a cache error propagates with the cache rolled back to where it was.
-  template <kvcache::kv_cache_protocol Cache>
+  /// heads and head_dim) as float: the cache rounds or quantizes them into its format once.
+  /// Throws std::out_of_range for a token outside the vocabulary before touching the cache; a
+  /// cache error propagates with the cache rolled back to where it was.
+  template <kvcache::kv_cache_protocol<float> Cache>
   Matrix forward(std::span<const TokenId> tokens, Cache& cache, Logits which = Logits::all) {
-    using T = typename Cache::value_type;
     check_tokens(tokens);
     const std::size_t start = cache.length();
     try {
       auto attend = [&](std::size_t layer, const Attention& a) {
-        const Converted<T> kv(a.k, a.v);
-        const kvcache::History<T> history = cache.update(layer, kv.k, kv.v, a.positions);
-        kvcache::causal_attention<T, float>(a.q, a.positions, history, a.out);
+        const auto history = cache.update(layer, a.k, a.v, a.positions);
+        kvcache::causal_attention(a.q, a.positions, history, a.out);
       };
       return run(tokens, start, which, attend);
     } catch (...) {
@@ -237,19 +244,37 @@ class Model {
   }
 
   /// Logits of the whole sequence at positions 0..T-1 with no cache, masked by `window`.
-  /// T is the element type K and V are rounded to before attention reads them, so a 16-bit
-  /// cache can be compared with the same rounding; float leaves them exact.
-  template <class T = float>
-  Matrix forward_uncached(std::span<const TokenId> tokens, Window window = {}, Logits which = Logits::all) {
+  /// T is the format K and V are stored in before attention reads them, so a cache of any
+  /// format can be compared with the same rounding; float leaves them exact. Every other format
+  /// goes through a KvCache<T> fed the whole sequence in one update per layer, so formats with a
+  /// scale per head take it from the whole sequence unless `scales` gives them (as a
+  /// KvCacheConfig's key_scales and value_scales).
+  template <kvcache::storage_format T = float>
+  Matrix forward_uncached(std::span<const TokenId> tokens, Window window = {}, Logits which = Logits::all,
+                          HeadScales scales = {}) {
     check_tokens(tokens);
-    auto attend = [&](std::size_t, const Attention& a) {
-      const Converted<T> kv(a.k, a.v);
-      const kvcache::Segment<T> everything{kv.k, kv.v, a.positions};
-      const kvcache::History<T> history{std::span<const kvcache::Segment<T>>(&everything, 1)};
-      kvcache::causal_attention<T, float>(a.q, a.positions, history, a.out,
-                                          {.window = window.size, .sinks = window.sinks});
-    };
-    return run(tokens, 0, which, attend);
+    const kvcache::AttentionOptions options{.window = window.size, .sinks = window.sinks};
+    if constexpr (std::is_same_v<T, float>) {
+      auto attend = [&](std::size_t, const Attention& a) {
+        const kvcache::Segment<float> everything{a.k, a.v, a.positions};
+        const kvcache::History<float> history{std::span<const kvcache::Segment<float>>(&everything, 1)};
+        kvcache::causal_attention(a.q, a.positions, history, a.out, options);
+      };
+      return run(tokens, 0, which, attend);
+    } else {
+      const Config& c = w_.config;
+      kvcache::KvCache<T> stored({.layers = c.layers,
+                                  .kv_heads = c.kv_heads,
+                                  .head_dim = c.head_dim,
+                                  .capacity = std::max<std::size_t>(tokens.size(), 1),
+                                  .key_scales = scales.keys,
+                                  .value_scales = scales.values});
+      auto attend = [&](std::size_t layer, const Attention& a) {
+        const auto history = stored.update(layer, a.k, a.v, a.positions);
+        kvcache::causal_attention(a.q, a.positions, history, a.out, options);
+      };
+      return run(tokens, 0, which, attend);
+    }
   }
 
  private:
@@ -261,31 +286,6 @@ class Model {
     kvcache::TensorView<const float> v;
     std::span<const std::int64_t> positions;
     kvcache::TensorView<float> out;
-  };
-
-  /// K and V as the cache's element type: the float views themselves, or a converted copy.
-  template <class T>
-  struct Converted {
-    Converted(const kvcache::TensorView<const float>& k_in, const kvcache::TensorView<const float>& v_in) {
-      if constexpr (std::is_same_v<T, float>) {
-        k = k_in;
-        v = v_in;
-      } else {
-        k = convert(k_in, k_data);
-        v = convert(v_in, v_data);
-      }
-    }
-    static kvcache::TensorView<const T> convert(const kvcache::TensorView<const float>& in, std::vector<T>& data) {
-      // The source is a dense [T, H_kv * D] matrix viewed with strides: copy it whole and reuse them.
-      const std::size_t n = in.tokens() * in.strides().tokens;
-      data.resize(n);
-      std::transform(in.data(), in.data() + n, data.begin(), [](float x) { return static_cast<T>(x); });
-      return {data.data(), in.shape(), in.strides()};
-    }
-    kvcache::TensorView<const T> k;
-    kvcache::TensorView<const T> v;
-    std::vector<T> k_data;
-    std::vector<T> v_data;
   };
 
   static std::string shape_str(const std::vector<std::size_t>& shape) {
