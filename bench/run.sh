@@ -3,7 +3,8 @@
 #
 # The one command behind bench/RESULTS.md: builds the benchmarks with the release preset
 # (-O3, -march=native), runs each with JSON output into bench/results/, records the machine,
-# and renders the plots and ratio tables.
+# renders the plots and tables (bench/plot.py), and writes bench/RESULTS.md and the README's
+# headline figures from this run (bench/results.py).
 #
 #   bench/run.sh                                   # everything
 #   bench/run.sh --benchmark_filter=generate/      # extra arguments go to every benchmark program
@@ -38,6 +39,7 @@ if ! cmake --preset release; then
 fi
 # Results of an earlier run must not be plotted as this run's.
 for bench in "${benches[@]}"; do rm -f "$results/$bench.json"; done
+rm -f "$results/tables.md"
 
 # Benchmarks are built together; if that fails (a program mid-edit), each is built alone and
 # those that do not build are left out, loudly, rather than costing the others their figures.
@@ -82,4 +84,6 @@ done
 echo "load after the run: $(cut -d ' ' -f 1-3 /proc/loadavg)" >>"$results/machine.txt"
 
 # Debian's python3-matplotlib lives with the system interpreter, not with whatever python3 is first on PATH.
-/usr/bin/python3 bench/plot.py "$results"
+# Without it there are no plots or tables, but the figures below are still written.
+/usr/bin/python3 bench/plot.py "$results" || echo "run.sh: bench/plot.py failed (python3-matplotlib?); no plots" >&2
+/usr/bin/python3 bench/results.py --results "$results" --build "$bin" --out bench/RESULTS.md --readme README.md
