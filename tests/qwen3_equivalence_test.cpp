@@ -21,6 +21,7 @@
 
 #include "kvcache/concat_kv_cache.hpp"
 #include "kvcache/kv_cache.hpp"
+#include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
 #include "qwen3/model.hpp"
 
@@ -61,21 +62,31 @@ double max_abs_diff(const Matrix& a, const Matrix& b) {
 /// float and double hold the model's float K and V exactly: 1e-5. The 16-bit types round them
 /// (half to an 11-bit significand, bfloat16 to 8 bits); on this model and these sequences that
 /// measured at most 2.8e-3 (half) and 2.3e-2 (bfloat16), and the bounds leave ~3x headroom.
+/// The quantized formats measured 0.35 (fp8_e4m3), 0.076 (int8_rows) and 1.17 (int4_groups:
+/// one group of 32 a row here); docs/quantization.md has their budget over long decodes.
 template <class T>
 constexpr double tolerance() {
   if constexpr (std::is_same_v<T, Eigen::half>) return 1e-2;
   if constexpr (std::is_same_v<T, Eigen::bfloat16>) return 6e-2;
+  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3>) return 1.0;
+  if constexpr (std::is_same_v<T, kvcache::int8_rows>) return 0.25;
+  if constexpr (std::is_same_v<T, kvcache::int4_groups>) return 3.5;
   return 1e-5;
 }
 
 /// The bound when the uncached side rounds K and V to T too. Then only the float rounding of
 /// K and V before the cast differs (a chunk and a single token project it in a different
 /// order), so a 16-bit value now and then lands one step apart: measured 3.4e-4 (half) and
-/// 1.3e-3 (bfloat16).
+/// 1.3e-3 (bfloat16). A quantized code one step apart moves more (a step is 1/8 of the value
+/// in fp8, 1/15 of the group's range in int4): measured 1.1e-2 (fp8_e4m3), 1.8e-3 (int8_rows),
+/// 3.7e-2 (int4_groups).
 template <class T>
 constexpr double rounded_tolerance() {
   if constexpr (std::is_same_v<T, Eigen::half>) return 1.5e-3;
   if constexpr (std::is_same_v<T, Eigen::bfloat16>) return 5e-3;
+  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3>) return 3e-2;
+  if constexpr (std::is_same_v<T, kvcache::int8_rows>) return 6e-3;
+  if constexpr (std::is_same_v<T, kvcache::int4_groups>) return 0.12;
   return 1e-5;
 }
 
@@ -85,6 +96,9 @@ const char* type_name() {
   if constexpr (std::is_same_v<T, double>) return "double";
   if constexpr (std::is_same_v<T, Eigen::half>) return "half";
   if constexpr (std::is_same_v<T, Eigen::bfloat16>) return "bfloat16";
+  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3>) return "fp8_e4m3";
+  if constexpr (std::is_same_v<T, kvcache::int8_rows>) return "int8_rows";
+  if constexpr (std::is_same_v<T, kvcache::int4_groups>) return "int4_groups";
 }
 
 template <template <class> class CacheT, class T>
@@ -93,9 +107,14 @@ struct Dense {
   using value_type = T;
   static constexpr qwen3::Window window{};
   static constexpr std::size_t slack = 0;
-  static Cache make(std::size_t capacity) {
+  static Cache make(std::size_t capacity, qwen3::HeadScales scales = {}) {
     const qwen3::Config& c = tiny_model().config();
-    return Cache({.layers = c.layers, .kv_heads = c.kv_heads, .head_dim = c.head_dim, .capacity = capacity});
+    return Cache({.layers = c.layers,
+                  .kv_heads = c.kv_heads,
+                  .head_dim = c.head_dim,
+                  .capacity = capacity,
+                  .key_scales = scales.keys,
+                  .value_scales = scales.values});
   }
   static std::string name() {
     return std::string(std::is_same_v<Cache, kvcache::KvCache<T>> ? "KvCache<" : "ConcatKvCache<") + type_name<T>() +
@@ -109,14 +128,16 @@ struct Ring {
   using value_type = T;
   static constexpr qwen3::Window window{Window, Sinks};
   static constexpr std::size_t slack = Slack;
-  static Cache make(std::size_t /*capacity: a ring needs none*/) {
+  static Cache make(std::size_t /*capacity: a ring needs none*/, qwen3::HeadScales scales = {}) {
     const qwen3::Config& c = tiny_model().config();
     return Cache({.layers = c.layers,
                   .kv_heads = c.kv_heads,
                   .head_dim = c.head_dim,
                   .window = Window,
                   .sinks = Sinks,
-                  .slack = Slack});
+                  .slack = Slack,
+                  .key_scales = scales.keys,
+                  .value_scales = scales.values});
   }
   static std::string name() {
     return "RingKvCache<" + std::string(type_name<T>()) + "> window " + std::to_string(Window) + " sinks " +
@@ -145,7 +166,10 @@ using Cases =
     ::testing::Types<KvCase<float>, ConcatCase<float>, Ring<float, 7, 0, 0>, Ring<float, 7, 3, 2>, Ring<float, 1, 2, 0>,
                      Ring<float, 64, 0, 0>, KvCase<double>, ConcatCase<double>, Ring<double, 7, 2, 1>,
                      KvCase<Eigen::half>, ConcatCase<Eigen::half>, Ring<Eigen::half, 7, 2, 1>, KvCase<Eigen::bfloat16>,
-                     ConcatCase<Eigen::bfloat16>, Ring<Eigen::bfloat16, 7, 2, 1>>;
+                     ConcatCase<Eigen::bfloat16>, Ring<Eigen::bfloat16, 7, 2, 1>, KvCase<kvcache::fp8_e4m3>,
+                     ConcatCase<kvcache::fp8_e4m3>, Ring<kvcache::fp8_e4m3, 7, 2, 1>, KvCase<kvcache::int8_rows>,
+                     ConcatCase<kvcache::int8_rows>, Ring<kvcache::int8_rows, 7, 2, 1>, KvCase<kvcache::int4_groups>,
+                     ConcatCase<kvcache::int4_groups>, Ring<kvcache::int4_groups, 7, 2, 1>>;
 
 template <class Case>
 class Equivalence : public ::testing::Test {};
@@ -174,8 +198,16 @@ TYPED_TEST(Equivalence, CachedLogitsEqualUncachedAtEveryPosition) {
   const std::vector<TokenId> tokens = fixed_tokens(sequence_length, 7);
   // Same mask, no cache, K and V exact in float: the reference every variant must reproduce.
   const Matrix reference = model.forward_uncached(tokens, Case::window);
+  // A scale per head set by a cache's first update would depend on the schedule's first chunk:
+  // every cache here and the rounded reference share the scales the whole sequence calibrates
+  // (none for formats without: head_scales() is empty).
+  auto calibration = Case::make(sequence_length);
+  (void)model.forward(tokens, calibration);
+  const std::vector<float> key_scales = calibration.head_scales(false);
+  const std::vector<float> value_scales = calibration.head_scales(true);
+  const qwen3::HeadScales scales{key_scales, value_scales};
   // Same mask and the same rounding of K and V to T: isolates the cache from the element type.
-  const Matrix rounded = model.forward_uncached<T>(tokens, Case::window);
+  const Matrix rounded = model.forward_uncached<T>(tokens, Case::window, qwen3::Logits::all, scales);
 
   double worst = 0.0;
   double worst_rounded = 0.0;
@@ -184,7 +216,7 @@ TYPED_TEST(Equivalence, CachedLogitsEqualUncachedAtEveryPosition) {
     // them (one with chunks longer than the window after it wrapped), and keep sanitizer runs short.
     if (!std::is_same_v<T, float> && which % 3 != 0) continue;
     const Schedule& schedule = schedules()[which];
-    auto cache = Case::make(sequence_length);
+    auto cache = Case::make(sequence_length, scales);
     std::size_t position = 0;
     std::size_t step = 0;
     while (position < sequence_length) {
