@@ -230,23 +230,31 @@ class CacheBase {
       for (std::size_t h = 0; h < x.heads(); ++h) {
         for (std::size_t t = 0; t < x.tokens(); ++t) {
           const In* row = x.row(b, h, t);
+          // A row's largest magnitude without a branch a value (a NaN makes `bad`, not the
+          // maximum), so the loop vectorizes; the value to name is looked for only when bad.
+          float row_max = 0.0F;
+          bool bad = false;
           for (std::size_t d = 0; d < x.head_dim(); ++d) {
             const auto magnitude = std::fabs(static_cast<float>(widen(row[d])));
-            if constexpr (checks_input<T>) {
-              if (!(magnitude <= storage_codec<T>::max_magnitude)) {
-                throw std::invalid_argument(
-                    expected_given(std::string(name_) + "::update: layer " + std::to_string(layer) + ", " + which +
-                                       "[batch row " + std::to_string(b) + ", kv head " + std::to_string(h) +
-                                       ", token " + std::to_string(t) + ", index " + std::to_string(d) + "]",
-                                   std::string("a finite value") +
-                                       (storage_codec<T>::max_magnitude < std::numeric_limits<float>::max()
-                                            ? " of magnitude <= " + std::to_string(storage_codec<T>::max_magnitude)
-                                            : std::string()) +
-                                       " (" + format_name<T>() + " stores no other)",
-                                   std::to_string(static_cast<float>(widen(row[d])))));
-              }
+            row_max = std::max(row_max, magnitude);
+            if constexpr (checks_input<T>) bad |= !(magnitude <= storage_codec<T>::max_magnitude);
+          }
+          amax[h] = std::max(amax[h], row_max);
+          if constexpr (checks_input<T>) {
+            for (std::size_t d = 0; bad && d < x.head_dim(); ++d) {
+              const auto value = static_cast<float>(widen(row[d]));
+              if (std::fabs(value) <= storage_codec<T>::max_magnitude) continue;
+              throw std::invalid_argument(
+                  expected_given(std::string(name_) + "::update: layer " + std::to_string(layer) + ", " + which +
+                                     "[batch row " + std::to_string(b) + ", kv head " + std::to_string(h) + ", token " +
+                                     std::to_string(t) + ", index " + std::to_string(d) + "]",
+                                 std::string("a finite value") +
+                                     (storage_codec<T>::max_magnitude < std::numeric_limits<float>::max()
+                                          ? " of magnitude <= " + std::to_string(storage_codec<T>::max_magnitude)
+                                          : std::string()) +
+                                     " (" + format_name<T>() + " stores no other)",
+                                 std::to_string(value)));
             }
-            amax[h] = std::max(amax[h], magnitude);
           }
         }
       }
