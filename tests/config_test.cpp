@@ -32,7 +32,8 @@ void expect_working(Cache& cache, std::size_t layers, std::size_t kv_heads, std:
   const Block<float> k({1, kv_heads, tokens, head_dim}, 1);
   const Block<float> v({1, kv_heads, tokens, head_dim}, 2);
   std::map<std::int64_t, Row> expected;
-  for (std::size_t t = 0; t < tokens; ++t) expected[static_cast<std::int64_t>(t)] = row_of(k.view(), v.view(), t);
+  for (std::size_t t = 0; t < tokens; ++t)
+    expected[static_cast<std::int64_t>(t)] = row_of<float>(k.view(), v.view(), t);
   for (std::size_t layer = 0; layer < layers; ++layer) {
     EXPECT_EQ(flatten(cache.update(layer, k.view(), v.view(), arange(0, tokens))), expected);
   }

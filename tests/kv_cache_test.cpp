@@ -120,6 +120,35 @@ TEST(ConcatKvCache, EveryUpdateReallocatesAndBytesGrowWithTheSequence) {
   EXPECT_EQ(cache.bytes(), kv_cache_bytes(1, 1, 20, 2, 16, sizeof(float)));
 }
 
+template <class Cache>
+class DenseHistory : public ::testing::Test {};
+using DenseCaches = ::testing::Types<KvCache<float>, ConcatKvCache<float>>;
+TYPED_TEST_SUITE(DenseHistory, DenseCaches);
+
+TYPED_TEST(DenseHistory, HistoryOfALayerIsWhatUpdateReturnedWithoutWriting) {
+  TypeParam cache(kConfig);
+  EXPECT_EQ(cache.history(1).tokens(), 0U);
+  const Block<float> prompt({1, 2, 5, 16}, 1);
+  const Block<float> token({1, 2, 1, 16}, 2);
+  (void)cache.update(0, prompt.view(), prompt.view(), arange(0, 5));
+  const auto returned = flatten(cache.update(0, token.view(), token.view(), arange(5, 1)));
+  ASSERT_EQ(returned.size(), 6U);
+  EXPECT_EQ(flatten(cache.history(0)), returned);
+  EXPECT_EQ(cache.history(0).segments.size(), 1U);
+  EXPECT_EQ(cache.length(0), 6U);
+  EXPECT_EQ(cache.length(1), 0U);
+
+  cache.truncate(0);
+  (void)cache.update(0, prompt.view(), prompt.view(), arange(0, 5));
+  (void)cache.update(1, prompt.view(), prompt.view(), arange(0, 5));
+  cache.truncate(3);
+  auto expected = flatten(cache.history(1));
+  EXPECT_EQ(expected.size(), 3U);
+  for (std::int64_t p = 0; p < 3; ++p)
+    EXPECT_EQ(expected[p], row_of<float>(prompt.view(), prompt.view(), std::size_t(p)));
+  EXPECT_THROW((void)cache.history(2), std::out_of_range);
+}
+
 TEST(DenseConfig, RejectsZeroSizesAndRingFields) {
   for (auto config : {KvCacheConfig{.layers = 0, .kv_heads = 1, .head_dim = 1, .capacity = 1},
                       KvCacheConfig{.layers = 1, .batch = 0, .kv_heads = 1, .head_dim = 1, .capacity = 1},

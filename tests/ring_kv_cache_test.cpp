@@ -301,6 +301,48 @@ TEST(RingHistory, ReturnsExactlyThePositionsTheQueriesOfAnUpdateRead) {
   }
 }
 
+/// Positions of every segment of `history`, in order.
+std::vector<std::int64_t> positions_of(const History<float>& history) {
+  std::vector<std::int64_t> all;
+  for (const auto& segment : history.segments)
+    all.insert(all.end(), segment.positions.begin(), segment.positions.end());
+  return all;
+}
+
+TEST(RingHistory, HistoryOfALayerHoldsEveryHeldPositionWithoutWriting) {
+  // window 4, 1 sink, slack 2: the ring holds 6 positions after the sink.
+  RingKvCache<float> cache({.layers = 2, .kv_heads = 1, .head_dim = 2, .window = 4, .sinks = 1, .slack = 2});
+  EXPECT_TRUE(cache.history(1).segments.empty());
+  History<float> last;
+  for (std::size_t p = 0; p < 12; ++p) {
+    Block<float> k({1, 1, 1, 2}, 0);
+    k.data = {static_cast<float>(p), -static_cast<float>(p)};
+    last = cache.update(0, k.view(), k.view(), arange(p, 1));
+  }
+  const std::vector<std::int64_t> update_read = {0, 8, 9, 10, 11};  // query 11's sink and window
+  ASSERT_EQ(positions_of(last), update_read);
+
+  const History<float> held = cache.history(0);
+  EXPECT_EQ(positions_of(held), (std::vector<std::int64_t>{0, 6, 7, 8, 9, 10, 11}));
+  EXPECT_EQ(held.window, 4U);
+  EXPECT_EQ(held.sinks, 1U);
+  for (const auto& segment : held.segments) {
+    for (std::size_t j = 0; j < segment.tokens(); ++j) {
+      EXPECT_EQ(segment.keys(0, 0, j, 0), static_cast<float>(segment.positions[j]));
+      EXPECT_EQ(segment.values(0, 0, j, 1), -static_cast<float>(segment.positions[j]));
+    }
+  }
+  EXPECT_EQ(positions_of(last), update_read) << "history(layer) overwrote what update() returned";
+  EXPECT_EQ(cache.length(0), 12U);
+  EXPECT_EQ(cache.length(1), 0U);
+
+  // A staged chunk is part of what the layer holds until the next update folds it.
+  const Block<float> chunk({1, 1, 5, 2}, 3);
+  (void)cache.update(0, chunk.view(), chunk.view(), arange(12, 5));
+  EXPECT_EQ(positions_of(cache.history(0)), (std::vector<std::int64_t>{0, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}));
+  EXPECT_THROW((void)cache.history(2), std::out_of_range);
+}
+
 TEST(RingConfig, ZeroWindowIsRejected) {
   EXPECT_THROW(RingKvCache<float>({.layers = 1, .kv_heads = 1, .head_dim = 2}), std::invalid_argument);
 }

@@ -65,6 +65,17 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
     reset_scales();
   }
 
+  /// The layer's history as update() returns it, without writing: [B, H_kv, length(layer), D]
+  /// (no segment before the first update). Valid until the next mutating call on that layer;
+  /// std::out_of_range for a bad layer.
+  [[nodiscard]] History<T> history(std::size_t layer) {
+    const std::size_t total = length(layer);
+    Layer& l = layers_[layer];
+    if (l.positions.empty()) return {};
+    l.segment = l.rows.segment(0, total, Positions(l.positions.data(), total), head_scale_view(layer));
+    return {std::span<const Segment<T>>(&l.segment, 1)};
+  }
+
  private:
   friend class detail::ComputeTypeUpdates<ConcatKvCache<T>, T>;
 
@@ -90,8 +101,7 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
     std::iota(grown.positions.begin(), grown.positions.end(), std::int64_t{0});
     old = std::move(grown);
     set_length(layer, total);
-    old.segment = old.rows.segment(0, total, old.positions, head_scale_view(layer));
-    return {std::span<const Segment<T>>(&old.segment, 1)};
+    return history(layer);
   }
 
   std::size_t capacity_;

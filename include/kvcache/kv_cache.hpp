@@ -76,6 +76,14 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
     reset_scales();
   }
 
+  /// The layer's history as update() returns it, without writing: [B, H_kv, length(layer), D].
+  /// Valid until the next mutating call on that layer; std::out_of_range for a bad layer.
+  [[nodiscard]] History<T> history(std::size_t layer) {
+    const std::size_t end = length(layer);
+    segments_[layer] = rows_[layer].segment(0, end, Positions(positions_.data(), end), head_scale_view(layer));
+    return {std::span<const Segment<T>>(&segments_[layer], 1)};
+  }
+
  private:
   friend class detail::ComputeTypeUpdates<KvCache<T>, T>;
 
@@ -85,10 +93,8 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
     const std::size_t start = check_update(layer, k, v, positions, capacity_);
     const auto scales = prepare_update<T>(layer, k, v);
     commit_update(layer, scales, rows_[layer].encode(k, v, 0, k.tokens(), start, head_scale_view(scales)));
-    const std::size_t end = start + k.tokens();
-    set_length(layer, end);
-    segments_[layer] = rows_[layer].segment(0, end, Positions(positions_.data(), end), head_scale_view(layer));
-    return {std::span<const Segment<T>>(&segments_[layer], 1)};
+    set_length(layer, start + k.tokens());
+    return history(layer);
   }
 
   std::size_t capacity_;

@@ -121,6 +121,15 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     reset_scales();
   }
 
+  /// Every position the layer holds (sinks, ring, a staged chunk), without writing; attention
+  /// applies the window. Valid until the next mutating call on that layer, and leaves what
+  /// update() returned intact; std::out_of_range for a bad layer.
+  [[nodiscard]] History<T> history(std::size_t layer) {
+    const std::size_t length = this->length(layer);
+    Layer& state = layers_[layer];
+    return history(state, state.read_segments, head_scale_view(layer), 0, length);
+  }
+
  private:
   friend class detail::ComputeTypeUpdates<RingKvCache<T>, T>;
   using Rows = detail::RowStore<T>;
@@ -141,6 +150,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     std::size_t oldest = 0;               // no position >= max(sinks, oldest) below stored_end is overwritten
     Staging staging{};                    // positions [stored_end, length) when a chunk was staged
     std::array<Segment<T>, 4> segments{};
+    std::array<Segment<T>, 4> read_segments{};  // history(layer)'s, apart from update()'s
   };
 
   template <class In>
@@ -169,7 +179,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     }
     commit_update(layer, scales, clipped);
     set_length(layer, length + tokens);
-    return history(state, head_scale_view(layer), length, length + tokens);
+    return history(state, state.segments, head_scale_view(layer), length, length + tokens);
   }
 
   [[nodiscard]] std::size_t slot_of(std::size_t position) const noexcept {
@@ -212,11 +222,11 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   /// The segments attention may read for a layer holding `length` tokens whose queries start at
   /// position `first_query`, oldest first: the sinks, then the held positions from the first
   /// query's window on (older ones, kept for truncate() or overwritten later, no query reads).
-  History<T> history(Layer& state, detail::HeadScaleView scales, std::size_t first_query, std::size_t length) {
+  History<T> history(Layer& state, std::array<Segment<T>, 4>& segments, detail::HeadScaleView scales,
+                     std::size_t first_query, std::size_t length) {
     std::size_t count = 0;
     const auto add_slots = [&](std::size_t slot, std::size_t tokens) {
-      state.segments[count++] =
-          state.rows.segment(slot, tokens, Positions(state.positions.data() + slot, tokens), scales);
+      segments[count++] = state.rows.segment(slot, tokens, Positions(state.positions.data() + slot, tokens), scales);
     };
     if (const std::size_t sink_count = std::min(sinks_, state.stored_end); sink_count != 0) add_slots(0, sink_count);
     const std::size_t window_start = first_query + 1 > window_ ? first_query + 1 - window_ : 0;
@@ -230,11 +240,11 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     }
     if (length > state.stored_end) {
       const std::size_t staged = length - state.stored_end;
-      state.segments[count++] =
+      segments[count++] =
           state.staging.rows.segment(0, staged, Positions(state.staging.positions.data(), staged), scales);
     }
-    KVCACHE_ASSERT(count <= state.segments.size(), "RingKvCache: more segments than expected");
-    return {std::span<const Segment<T>>(state.segments.data(), count), window_, sinks_};
+    KVCACHE_ASSERT(count <= segments.size(), "RingKvCache: more segments than expected");
+    return {std::span<const Segment<T>>(segments.data(), count), window_, sinks_};
   }
 
   std::size_t window_;
