@@ -48,10 +48,8 @@ struct BufferOptions {
   bool zero_fill = true;
   /// Storage of a huge page or more starts on a huge-page boundary and asks for transparent huge
   /// pages (advise_huge_pages): a decode step reads the whole cache, and with 4 KiB pages every
-  /// 4 KiB of it costs a TLB miss. On a 2-core AMD EPYC whose Linux gives huge pages on request
-  /// only, 448 MiB were allocated and zeroed 3.7-4.3 times as fast, and one core read a decode's
-  /// K and V at 9.4-15.2 GB/s instead of 9.2-13.8 (bench/RESULTS.md). ConcatKvCache, the
-  /// baseline, keeps the system's pages.
+  /// 4 KiB of it costs a TLB miss (measured in docs/memory.md). ConcatKvCache, the baseline,
+  /// keeps the system's pages.
   bool huge_pages = true;
 };
 
