@@ -17,6 +17,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kvcache/kv_cache.hpp"
 #include "kvcache/ring_kv_cache.hpp"
@@ -81,20 +82,27 @@ struct Drift {
                                 std::to_string(reference.rows()) + ", " + std::to_string(reference.cols()) + "] and [" +
                                 std::to_string(logits.rows()) + ", " + std::to_string(logits.cols()) + "]");
   }
-  using Row = Eigen::Array<double, 1, Eigen::Dynamic>;
   // log softmax in double, max-subtracted: the KL of two close distributions is a small
-  // difference of large sums, which float would swamp.
-  const auto log_softmax = [](const Row& x) -> Row {
-    const Row shifted = x - x.maxCoeff();
-    return shifted - std::log(shifted.exp().sum());
+  // difference of large sums, which float would swamp. Plain loops: GCC 12 reports its own
+  // AVX-512 intrinsics as uninitialized inside Eigen's vectorized double exp.
+  const auto log_softmax = [](const auto& x, std::vector<double>& out) {
+    out.resize(static_cast<std::size_t>(x.size()));
+    const auto top = static_cast<double>(x.maxCoeff());
+    double sum = 0.0;
+    for (Eigen::Index j = 0; j < x.size(); ++j) sum += std::exp(static_cast<double>(x(j)) - top);
+    const double log_sum = std::log(sum);
+    for (Eigen::Index j = 0; j < x.size(); ++j)
+      out[static_cast<std::size_t>(j)] = static_cast<double>(x(j)) - top - log_sum;
   };
   Drift d;
   double kl = 0.0;
   std::size_t same = 0;
+  std::vector<double> p;
+  std::vector<double> q;
   for (Eigen::Index i = 0; i < reference.rows(); ++i) {
-    const Row p = log_softmax(reference.row(i).cast<double>().array());
-    const Row q = log_softmax(logits.row(i).cast<double>().array());
-    kl += (p.exp() * (p - q)).sum();
+    log_softmax(reference.row(i), p);
+    log_softmax(logits.row(i), q);
+    for (std::size_t j = 0; j < p.size(); ++j) kl += std::exp(p[j]) * (p[j] - q[j]);
     d.max_abs = std::max(d.max_abs, static_cast<double>((reference.row(i) - logits.row(i)).cwiseAbs().maxCoeff()));
     Eigen::Index a = 0;
     Eigen::Index b = 0;
