@@ -7,6 +7,7 @@
 //   kvcache_demo --prompt "Hello" -n 64 --type bf16 --window 16 --scaling none
 //   kvcache_demo --save /tmp/tiny && kvcache_demo --weights /tmp/tiny
 //   kvcache_demo --traffic                     # decode-step bytes: KV cache vs weights
+//   kvcache_demo --cache fp8                   # logit error of an fp8 cache vs float and bf16
 
 #include <unistd.h>
 
@@ -29,8 +30,10 @@
 
 #include "kvcache/concat_kv_cache.hpp"
 #include "kvcache/kv_cache.hpp"
+#include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
 #include "qwen3/checkpoint.hpp"
+#include "qwen3/error_budget.hpp"
 #include "qwen3/model.hpp"
 #include "qwen3/safetensors.hpp"
 #include "qwen3/traffic.hpp"
@@ -51,6 +54,8 @@ Greedy generation with a tiny Qwen3 model, uncached and through each kvcache var
   --window W            RingKvCache window (default 32; 0 leaves the ring out)
   --sinks S             RingKvCache sink positions (default 4)
   --type T              cache element type: float, double, half, bf16 (default float)
+  --cache Q             also store K and V quantized: fp8, int8 or int4; prints the logit error
+                        against the float and bfloat16 caches, and the bytes of each
   --weights DIR         load DIR/config.json and DIR/*.safetensors instead of the random tiny model
   --seed S              seed of the random tiny model (default 2024)
   --scaling LIST        N values of the scaling table, comma-separated, or none (default 64,256,1024)
@@ -71,6 +76,7 @@ struct Options {
   std::size_t window = 32;
   std::size_t sinks = 4;
   std::string type = "float";
+  std::string cache;  // quantized format for the error report; empty: none
   std::string weights;
   std::uint64_t seed = 2024;
   std::vector<std::size_t> scaling = {64, 256, 1024};
@@ -142,6 +148,8 @@ Options parse_options(int argc, char** argv) {
       o.sinks = static_cast<std::size_t>(parse_uint(flag, value()));
     } else if (flag == "--type") {
       o.type = value();
+    } else if (flag == "--cache") {
+      o.cache = value();
     } else if (flag == "--weights") {
       o.weights = value();
     } else if (flag == "--seed") {
@@ -170,6 +178,9 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.type != "float" && o.type != "double" && o.type != "half" && o.type != "bf16") {
     usage_error("--type: expected float, double, half or bf16, given '" + o.type + "'");
+  }
+  if (!o.cache.empty() && o.cache != "fp8" && o.cache != "int8" && o.cache != "int4") {
+    usage_error("--cache: expected fp8, int8 or int4, given '" + o.cache + "'");
   }
   return o;
 }
@@ -506,6 +517,59 @@ void run_scaling(qwen3::Model& model, const std::vector<TokenId>& prompt, const 
       "window caps L.\n");
 }
 
+/// The logit error of a quantized cache: the float KvCache's greedy tokens fed again,
+/// teacher-forced, through float, bfloat16 and format Q caches (and rings, for a window).
+template <class Q>
+void run_quantized(qwen3::Model& model, const std::vector<TokenId>& prompt, const Options& o) {
+  const qwen3::Config& c = model.config();
+  const std::size_t p = prompt.size();
+  std::vector<TokenId> tokens = prompt;
+  {
+    kvcache::KvCache<float> cache(dense_config(c, p + o.new_tokens));
+    const Generation g = generate_cached(model, cache, prompt, o.new_tokens, false, "KvCache<float> for --cache");
+    tokens.insert(tokens.end(), g.tokens.begin(), g.tokens.end());
+  }
+  const std::string q = kvcache::storage_codec<Q>::name;
+  std::printf(
+      "\nQuantized cache (--cache %s): the float KvCache's %zu tokens fed again through each cache, "
+      "teacher-forced\n",
+      o.cache.c_str(), tokens.size() - p);
+  std::printf("%-40s %11s  %13s %9s %7s  %13s %9s %7s %8s\n", "cache", "bytes", "max |dlogit|", "mean KL", "top-1",
+              "max |dlogit|", "mean KL", "top-1", "clipped");
+  std::printf("%-40s %11s  %31s  %31s\n", "", "", "--------- vs float ---------", "--------- vs bf16 ----------");
+  std::vector<qwen3::Window> windows = {{}};
+  if (o.window != 0) windows.push_back({o.window, o.sinks});
+  for (const qwen3::Window window : windows) {
+    const std::string layout = window.size == 0 ? "KvCache<" : "RingKvCache<";
+    const std::string suffix = window.size == 0 ? ">"
+                                                : ">, " + std::string("window ") + std::to_string(window.size) + ", " +
+                                                      std::to_string(window.sinks) + " sinks";
+    const qwen3::Decode as_float = qwen3::teacher_forced<float>(model, tokens, p, window);
+    const qwen3::Decode as_bf16 = qwen3::teacher_forced<Eigen::bfloat16>(model, tokens, p, window);
+    const qwen3::Decode quantized = qwen3::teacher_forced<Q>(model, tokens, p, window);
+    const auto line = [&](const std::string& name, const qwen3::Decode& d, bool vs_float, bool vs_bf16) {
+      const auto cells = [&](bool show, const qwen3::Decode& ref) {
+        char buf[64] = "";
+        if (show) {
+          const qwen3::Drift dr = qwen3::drift(ref.logits, d.logits);
+          std::snprintf(buf, sizeof buf, "%13.3g %9.2e %6.1f%%", dr.max_abs, dr.mean_kl, 100 * dr.top1);
+        } else {
+          std::snprintf(buf, sizeof buf, "%13s %9s %7s", "-", "-", "-");
+        }
+        return std::string(buf);
+      };
+      std::printf("%-40s %11s  %s  %s %8zu\n", name.c_str(), qwen3::format_bytes(d.bytes).c_str(),
+                  cells(vs_float, as_float).c_str(), cells(vs_bf16, as_bf16).c_str(), d.clipped);
+    };
+    line(layout + "float" + suffix, as_float, false, true);
+    line(layout + "bf16" + suffix, as_bf16, true, false);
+    line(layout + q + suffix, quantized, true, true);
+  }
+  std::printf(
+      "KL(reference || cache) of the softmax, nats, averaged over the steps; fp8_e4m3 takes its scales from "
+      "the prompt.\n");
+}
+
 template <class T>
 bool run(qwen3::Model& model, const std::vector<TokenId>& prompt, const Options& o) {
   const bool ok = run_table<T>(model, prompt, o);
@@ -551,10 +615,20 @@ int demo(const Options& o) {
     }
   }
   std::printf("prompt: \"%s\"\n", printable(prompt, c.vocab).c_str());
-  if (o.type == "double") return run<double>(model, prompt, o) ? 0 : 1;
-  if (o.type == "half") return run<Eigen::half>(model, prompt, o) ? 0 : 1;
-  if (o.type == "bf16") return run<Eigen::bfloat16>(model, prompt, o) ? 0 : 1;
-  return run<float>(model, prompt, o) ? 0 : 1;
+  bool ok = false;
+  if (o.type == "double") {
+    ok = run<double>(model, prompt, o);
+  } else if (o.type == "half") {
+    ok = run<Eigen::half>(model, prompt, o);
+  } else if (o.type == "bf16") {
+    ok = run<Eigen::bfloat16>(model, prompt, o);
+  } else {
+    ok = run<float>(model, prompt, o);
+  }
+  if (o.cache == "fp8") run_quantized<kvcache::fp8_e4m3>(model, prompt, o);
+  if (o.cache == "int8") run_quantized<kvcache::int8_rows>(model, prompt, o);
+  if (o.cache == "int4") run_quantized<kvcache::int4_groups>(model, prompt, o);
+  return ok ? 0 : 1;
 }
 
 }  // namespace
