@@ -318,14 +318,31 @@ TEST(Fp8Scales, CalibratedScalesAreUsedAndKeptThroughReset) {
   for (int round = 0; round < 2; ++round) {
     const auto history = cache.update(1, k.view(), v.view(), arange(0, 1));
     for (std::size_t d = 0; d < 8; ++d) {
-      EXPECT_EQ(history.segments[0].keys.row(0, 0, 0)[d], detail::e4m3_of(k.view()(0, 0, 0, d) * (1.0F / 0.02F)));
-      EXPECT_EQ(history.segments[0].values.row(0, 0, 0)[d], detail::e4m3_of(v.view()(0, 0, 0, d) * (1.0F / 0.04F)));
+      EXPECT_EQ(history.segments[0].keys.row(0, 0, 0)[d], detail::e4m3_of(k.view()(0, 0, 0, d) / 0.02F));
+      EXPECT_EQ(history.segments[0].values.row(0, 0, 0)[d], detail::e4m3_of(v.view()(0, 0, 0, d) / 0.04F));
     }
     EXPECT_EQ(cache.clipped(), 0U);
     cache.reset();
   }
   EXPECT_EQ(cache.head_scales(false), key_scales);
   EXPECT_EQ(cache.head_scales(true), value_scales);
+}
+
+TEST(Fp8Scales, TheSmallestScalesStoreNoNaN) {
+  const std::vector<float> tiny{1e-44F};
+  KvCache<fp8_e4m3> cache(
+      {.layers = 1, .kv_heads = 1, .head_dim = 8, .capacity = 8, .key_scales = tiny, .value_scales = tiny});
+  Block<float> k({1, 1, 1, 8}, 1);
+  k.data[0] = 0.0F;
+  const auto history = cache.update(0, k.view(), k.view(), arange(0, 1));
+  EXPECT_EQ(history.segments[0].keys.row(0, 0, 0)[0], 0x00);
+  for (std::size_t d = 1; d < 8; ++d) EXPECT_EQ(history.segments[0].keys.row(0, 0, 0)[d] & 0x7F, 0x7E) << d;
+  EXPECT_EQ(cache.clipped(), 14U);
+  // int8 rows of values whose amax / 127 is 0 in float store as zeros with a scale of 1.
+  const std::vector<float> row(8, 1e-44F);
+  std::vector<std::int8_t> stored(8, 1);
+  EXPECT_EQ(storage_codec<int8_rows>::encode(row.data(), stored.data(), 8), 1.0F);
+  EXPECT_EQ(stored, std::vector<std::int8_t>(8, 0));
 }
 
 TEST(Fp8Scales, BadScalesInTheConfigAreRefusedNamingTheField) {

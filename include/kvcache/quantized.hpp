@@ -111,10 +111,9 @@ struct storage_codec<fp8_e4m3> {
   /// Stores in / scale; returns how many values saturated at +-448.
   template <class In>
   static std::size_t encode(const In* in, unit* row, std::size_t head_dim, float scale) noexcept {
-    const float inverse = 1.0F / scale;
     std::size_t clipped = 0;
     for (std::size_t d = 0; d < head_dim; ++d) {
-      const float x = static_cast<float>(detail::widen(in[d])) * inverse;
+      const float x = static_cast<float>(detail::widen(in[d])) / scale;  // an inverse overflows for tiny scales
       if (std::fabs(x) > kSaturatesAbove) ++clipped;
       row[d] = detail::e4m3_of(x);
     }
@@ -142,17 +141,17 @@ struct storage_codec<int8_rows> {
   static constexpr float max_magnitude = std::numeric_limits<float>::max();
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
-  /// Stores round(in / scale) with scale = amax / 127 (1 for a row of zeros); returns scale.
+  /// Stores round(in / scale) with scale = amax / 127 (1 for a row of zeros, or of values so
+  /// small that amax / 127 is 0 in float: they store as zeros); returns scale.
   template <class In>
   static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
     float amax = 0.0F;
     for (std::size_t d = 0; d < head_dim; ++d)
       amax = std::max(amax, std::fabs(static_cast<float>(detail::widen(in[d]))));
-    const float scale = amax > 0.0F ? amax / 127.0F : 1.0F;
-    const float inverse = 127.0F / std::max(amax, std::numeric_limits<float>::min());
+    const float scale = amax / 127.0F > 0.0F ? amax / 127.0F : 1.0F;
     for (std::size_t d = 0; d < head_dim; ++d) {
-      const float q =
-          std::clamp(detail::round_even(static_cast<float>(detail::widen(in[d])) * inverse), -127.0F, 127.0F);
+      // Divided, not multiplied by an inverse, which overflows for the smallest rows.
+      const float q = std::clamp(detail::round_even(static_cast<float>(detail::widen(in[d])) / scale), -127.0F, 127.0F);
       row[d] = static_cast<std::int8_t>(static_cast<int>(q));
     }
     return scale;
