@@ -534,9 +534,9 @@ void run_quantized(qwen3::Model& model, const std::vector<TokenId>& prompt, cons
       "\nQuantized cache (--cache %s): the float KvCache's %zu tokens fed again through each cache, "
       "teacher-forced\n",
       o.cache.c_str(), tokens.size() - p);
-  std::printf("%-40s %11s  %13s %9s %7s  %13s %9s %7s %8s\n", "cache", "bytes", "max |dlogit|", "mean KL", "top-1",
+  std::printf("%-44s %11s  %13s %9s %7s  %13s %9s %7s %8s\n", "cache", "bytes", "max |dlogit|", "mean KL", "top-1",
               "max |dlogit|", "mean KL", "top-1", "clipped");
-  std::printf("%-40s %11s  %31s  %31s\n", "", "", "--------- vs float ---------", "--------- vs bf16 ----------");
+  std::printf("%-44s %11s  %31s  %31s\n", "", "", "--------- vs float ---------", "--------- vs bf16 ----------");
   std::vector<qwen3::Window> windows = {{}};
   if (o.window != 0) windows.push_back({o.window, o.sinks});
   for (const qwen3::Window window : windows) {
@@ -558,7 +558,7 @@ void run_quantized(qwen3::Model& model, const std::vector<TokenId>& prompt, cons
         }
         return std::string(buf);
       };
-      std::printf("%-40s %11s  %s  %s %8zu\n", name.c_str(), qwen3::format_bytes(d.bytes).c_str(),
+      std::printf("%-44s %11s  %s  %s %8zu\n", name.c_str(), qwen3::format_bytes(d.bytes).c_str(),
                   cells(vs_float, as_float).c_str(), cells(vs_bf16, as_bf16).c_str(), d.clipped);
     };
     line(layout + "float" + suffix, as_float, false, true);
