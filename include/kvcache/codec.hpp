@@ -30,6 +30,7 @@
 // A format with head_scales also has row_scales: its segments repeat the head's scale for
 // every row (a token stride of 0), so the kernel reads both kinds the same way.
 
+#include <algorithm>
 #include <bit>
 #include <concepts>
 #include <cstddef>
@@ -127,6 +128,17 @@ inline T narrow(F x) noexcept {
   } else {
     return static_cast<T>(x);
   }
+}
+
+/// The largest |in[d]| of n values as float bits: an integer maximum, which vectorizes where a
+/// float one may not, and orders every non-negative float (NaN's bits above infinity's).
+template <class In>
+inline std::uint32_t max_magnitude_bits(const In* in, std::size_t n) noexcept {
+  std::uint32_t top = 0;
+  for (std::size_t d = 0; d < n; ++d) {
+    top = std::max(top, std::bit_cast<std::uint32_t>(static_cast<float>(widen(in[d]))) & 0x7FFFFFFFU);
+  }
+  return top;
 }
 
 /// Rows of 16-bit floats (half or bfloat16): no scales, widened to float in registers.

@@ -145,9 +145,7 @@ struct storage_codec<int8_rows> {
   /// small that amax / 127 is 0 in float: they store as zeros); returns scale.
   template <class In>
   static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
-    float amax = 0.0F;
-    for (std::size_t d = 0; d < head_dim; ++d)
-      amax = std::max(amax, std::fabs(static_cast<float>(detail::widen(in[d]))));
+    const float amax = std::bit_cast<float>(detail::max_magnitude_bits(in, head_dim));
     const float scale = amax / 127.0F > 0.0F ? amax / 127.0F : 1.0F;
     for (std::size_t d = 0; d < head_dim; ++d) {
       // Divided, not multiplied by an inverse, which overflows for the smallest rows.
@@ -184,27 +182,34 @@ struct storage_codec<int4_groups> {
   static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
     for (std::size_t g0 = 0; g0 < head_dim; g0 += kGroup) {
       const std::size_t n = std::min(kGroup, head_dim - g0);
-      float lo = std::numeric_limits<float>::max();
-      float hi = std::numeric_limits<float>::lowest();
-      for (std::size_t i = 0; i < n; ++i) {
-        const auto x = static_cast<float>(detail::widen(in[g0 + i]));
-        lo = std::min(lo, x);
-        hi = std::max(hi, x);
+      // The group as floats, a short group padded with its first value (which moves neither
+      // end of its range); min and max through order-keeping integers, which vectorize.
+      float x[kGroup];
+      for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(detail::widen(in[g0 + i]));
+      for (std::size_t i = n; i < kGroup; ++i) x[i] = x[0];
+      std::int32_t lo_key = std::numeric_limits<std::int32_t>::max();
+      std::int32_t hi_key = std::numeric_limits<std::int32_t>::min();
+      for (std::size_t i = 0; i < kGroup; ++i) {
+        const std::int32_t key = ordered(x[i]);
+        lo_key = std::min(lo_key, key);
+        hi_key = std::max(hi_key, key);
       }
-      // The minimum rounded down and the scale up, so that 0..15 still cover [lo, hi].
+      const float lo = unordered(lo_key), hi = unordered(hi_key);
+      // The minimum rounded down and the step up, so that 0..15 still cover [lo, hi].
       const std::uint16_t min_bits = detail::half_bits_toward(lo, false);
       const float min = detail::float_of_half_bits(min_bits);
-      const std::uint16_t scale_bits = detail::half_bits_toward((hi - min) / 15.0F, true);
-      const float scale = detail::float_of_half_bits(scale_bits);
-      unit* group = row + g0 / kGroup * kGroupBytes;
-      std::memcpy(group, &scale_bits, 2);
-      std::memcpy(group + 2, &min_bits, 2);
-      std::memset(group + 4, 0, kGroup / 2);
-      for (std::size_t i = 0; i < n; ++i) {
-        const float x = static_cast<float>(detail::widen(in[g0 + i]));
-        const float q = scale > 0.0F ? std::clamp(detail::round_even((x - min) / scale), 0.0F, 15.0F) : 0.0F;
-        group[4 + i % 16] = static_cast<unit>(group[4 + i % 16] | (static_cast<unsigned>(q) << (i / 16 * 4)));
+      const std::uint16_t step_bits = detail::half_bits_toward((hi - min) / 15.0F, true);
+      const float step = detail::float_of_half_bits(step_bits);
+      const float divisor = step > 0.0F ? step : 1.0F;  // a step of 0: every value is min
+      std::uint8_t q[kGroup];
+      for (std::size_t i = 0; i < kGroup; ++i) {
+        q[i] = static_cast<std::uint8_t>(std::clamp(detail::round_even((x[i] - min) / divisor), 0.0F, 15.0F));
       }
+      for (std::size_t i = n; i < kGroup; ++i) q[i] = 0;
+      unit* group = row + g0 / kGroup * kGroupBytes;
+      std::memcpy(group, &step_bits, 2);
+      std::memcpy(group + 2, &min_bits, 2);
+      for (std::size_t i = 0; i < kGroup / 2; ++i) group[4 + i] = static_cast<unit>(q[i] | (q[i + kGroup / 2] << 4));
     }
     return 1.0F;
   }
@@ -227,6 +232,13 @@ struct storage_codec<int4_groups> {
   }
 
  private:
+  /// A float as an integer that orders as the float does (negative ones bit-flipped), and back.
+  static std::int32_t ordered(float x) noexcept {
+    const auto bits = std::bit_cast<std::int32_t>(x);
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF);
+  }
+  static float unordered(std::int32_t key) noexcept { return std::bit_cast<float>(key ^ ((key >> 31) & 0x7FFFFFFF)); }
+
   struct ScaleAndMin {
     float scale, min;
   };

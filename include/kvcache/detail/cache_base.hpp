@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -230,16 +231,12 @@ class CacheBase {
       for (std::size_t h = 0; h < x.heads(); ++h) {
         for (std::size_t t = 0; t < x.tokens(); ++t) {
           const In* row = x.row(b, h, t);
-          // A row's largest magnitude without a branch a value (a NaN makes `bad`, not the
-          // maximum), so the loop vectorizes; the value to name is looked for only when bad.
-          float row_max = 0.0F;
+          // A row's largest magnitude as float bits (NaN's above infinity's): one pass that
+          // vectorizes; the value to name is looked for only when one is refused.
+          const std::uint32_t top = max_magnitude_bits(row, x.head_dim());
           bool bad = false;
-          for (std::size_t d = 0; d < x.head_dim(); ++d) {
-            const auto magnitude = std::fabs(static_cast<float>(widen(row[d])));
-            row_max = std::max(row_max, magnitude);
-            if constexpr (checks_input<T>) bad |= !(magnitude <= storage_codec<T>::max_magnitude);
-          }
-          amax[h] = std::max(amax[h], row_max);
+          if constexpr (checks_input<T>) bad = top > std::bit_cast<std::uint32_t>(storage_codec<T>::max_magnitude);
+          amax[h] = std::max(amax[h], std::bit_cast<float>(std::min<std::uint32_t>(top, 0x7F800000U)));
           if constexpr (checks_input<T>) {
             for (std::size_t d = 0; bad && d < x.head_dim(); ++d) {
               const auto value = static_cast<float>(widen(row[d]));
