@@ -121,11 +121,9 @@ struct storage_codec<fp8_e4m3> {
   }
   template <std::size_t B>
   KVCACHE_ALWAYS_INLINE static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
-    using Bytes = detail::Vec<std::int8_t, B / 4>;
-    using Ints = detail::Vec<std::int32_t, B>;
     // Sign-extended, shifted so the exponent and mantissa sit in a float's place, the sign's
     // copies masked off: the value times 2^-120.
-    const Ints wide = __builtin_convertvector(detail::load<Bytes>(row + d), Ints) << 20;
+    const auto wide = detail::widen_bytes<B, true>(row + d) << 20;
     const auto bits = wide & static_cast<std::int32_t>(0x87F00000U);
     return std::bit_cast<detail::Vec<float, B>>(bits) * 0x1p120F;
   }
@@ -156,9 +154,7 @@ struct storage_codec<int8_rows> {
   }
   template <std::size_t B>
   KVCACHE_ALWAYS_INLINE static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
-    using Bytes = detail::Vec<std::int8_t, B / 4>;
-    return __builtin_convertvector(__builtin_convertvector(detail::load<Bytes>(row + d), detail::Vec<std::int32_t, B>),
-                                   detail::Vec<float, B>);
+    return __builtin_convertvector(detail::widen_bytes<B, true>(row + d), detail::Vec<float, B>);
   }
   static float value(const unit* row, std::size_t d) noexcept { return static_cast<float>(row[d]); }
 };
@@ -215,12 +211,9 @@ struct storage_codec<int4_groups> {
   }
   template <std::size_t B>
   KVCACHE_ALWAYS_INLINE static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
-    using Bytes = detail::Vec<std::uint8_t, B / 4>;
-    using Ints = detail::Vec<std::int32_t, B>;
     const unit* group = row + d / kGroup * kGroupBytes;
     const std::size_t at = d % kGroup;  // registers of 4, 8 or 16 values never cross a group
-    const Ints wide = __builtin_convertvector(detail::load<Bytes>(group + 4 + at % 16), Ints);
-    const Ints q = (wide >> static_cast<int>(at / 16 * 4)) & 15;
+    const auto q = (detail::widen_bytes<B, false>(group + 4 + at % 16) >> static_cast<int>(at / 16 * 4)) & 15;
     const auto [scale, min] = scale_and_min(group);
     return __builtin_convertvector(q, detail::Vec<float, B>) * scale + min;
   }
@@ -243,9 +236,16 @@ struct storage_codec<int4_groups> {
     float scale, min;
   };
   KVCACHE_ALWAYS_INLINE static ScaleAndMin scale_and_min(const unit* group) noexcept {
+#if defined(__F16C__)
+    std::int32_t both;
+    std::memcpy(&both, group, 4);
+    const __m128 wide = _mm_cvtph_ps(_mm_cvtsi32_si128(both));  // both halves in one instruction
+    return {_mm_cvtss_f32(wide), _mm_cvtss_f32(_mm_movehdup_ps(wide))};
+#else
     std::uint16_t bits[2];
     std::memcpy(bits, group, 4);
     return {detail::float_of_half_bits(bits[0]), detail::float_of_half_bits(bits[1])};
+#endif
   }
 };
 

@@ -4,7 +4,7 @@
 // Vector registers for the attention kernel and the storage codecs: GCC/Clang vector
 // extensions of B bytes, where B is at most the width the including translation unit is
 // compiled for (the library is header-only, so that is the user's -m flags). One source serves
-// SSE2, AVX2 and AVX-512; only the half-precision conversion asks for an instruction (F16C).
+// SSE2, AVX2 and AVX-512; only conversions ask for instructions (F16C, extending loads).
 
 #include <bit>
 #include <cmath>
@@ -15,7 +15,7 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__) || defined(__SSE4_1__)
 #include <immintrin.h>
 #endif
 
@@ -126,6 +126,36 @@ KVCACHE_ALWAYS_INLINE inline Vec<float, B> widen_bfloat16(const std::uint16_t* p
 #endif
   const auto bits = __builtin_convertvector(load<Vec<std::uint16_t, B / 2>>(p), Vec<std::uint32_t, B>);
   return std::bit_cast<Vec<float, B>>(bits << 16);
+}
+
+/// A register of 32-bit integers from B / 4 bytes, sign- or zero-extended: one extending load
+/// where the build has it (GCC 12 assembles the generic conversion lane by lane).
+template <std::size_t B, bool Signed>
+KVCACHE_ALWAYS_INLINE inline Vec<std::int32_t, B> widen_bytes(const void* p) noexcept {
+#if defined(__AVX512F__)
+  if constexpr (B == 64) {
+    const __m128i bytes = _mm_loadu_si128(static_cast<const __m128i*>(p));
+    const auto all = static_cast<__mmask16>(0xFFFF);
+    return std::bit_cast<Vec<std::int32_t, B>>(Signed ? _mm512_maskz_cvtepi8_epi32(all, bytes)
+                                                      : _mm512_maskz_cvtepu8_epi32(all, bytes));
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (B == 32) {
+    const __m128i bytes = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+    return std::bit_cast<Vec<std::int32_t, B>>(Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+  }
+#endif
+#if defined(__SSE4_1__)
+  if constexpr (B == 16) {
+    std::int32_t word;
+    std::memcpy(&word, p, 4);
+    const __m128i bytes = _mm_cvtsi32_si128(word);
+    return std::bit_cast<Vec<std::int32_t, B>>(Signed ? _mm_cvtepi8_epi32(bytes) : _mm_cvtepu8_epi32(bytes));
+  }
+#endif
+  using Bytes = Vec<std::conditional_t<Signed, std::int8_t, std::uint8_t>, B / 4>;
+  return __builtin_convertvector(load<Bytes>(p), Vec<std::int32_t, B>);
 }
 
 /// A register of floats from one of half-precision bit patterns, exactly: F16C where the
