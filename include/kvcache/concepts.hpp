@@ -29,6 +29,7 @@ concept kv_cache_protocol = requires(C& cache, const C& view, std::size_t n, Ten
   typename C::value_type;
   requires storage_format<typename C::value_type>;
   { cache.update(n, kv, kv, positions) } -> std::same_as<History<typename C::value_type>>;
+  { cache.history(n) } -> std::same_as<History<typename C::value_type>>;
   { view.length() } -> std::same_as<std::size_t>;
   { view.length(n) } -> std::same_as<std::size_t>;
   { view.capacity() } -> std::same_as<std::size_t>;

@@ -182,7 +182,7 @@ struct storage_codec<int4_groups> {
       // end of its range); min and max through order-keeping integers, which vectorize.
       float x[kGroup];
       for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(detail::widen(in[g0 + i]));
-      for (std::size_t i = n; i < kGroup; ++i) x[i] = x[0];
+      for (std::size_t i = n; i < kGroup; ++i) x[i] = static_cast<float>(detail::widen(in[g0]));
       std::int32_t lo_key = std::numeric_limits<std::int32_t>::max();
       std::int32_t hi_key = std::numeric_limits<std::int32_t>::min();
       for (std::size_t i = 0; i < kGroup; ++i) {
