@@ -3,23 +3,15 @@
 //
 // Each DecodeAttention row reports `bytes_per_second`: the K and V bytes a decode step must
 // read, per second of attention (manual time: only the attention calls count). Every iteration
-// times, each on its own: a plain read of an equally large twin cache (allocated the same way),
-// a plain read of the very same K and V bytes the attention reads, the twin's read again, and
-// one attention call. `vs_read` is the median read of the same bytes over the median attention
-// call of the run, `vs_buffer` the median of the twin's reads over it, and
-// `read_bytes_per_second`, `buffer_bytes_per_second` and `median_bytes_per_second` the medians
-// as rates. Timed in turn, other work on a shared machine falls on every side alike, and a
-// median ignores the odd disturbed call (a ratio of separately timed bests swung from 0.4 to
-// 1.5). Each read and the attention call come right after a read of as much other memory (the
-// twin, or the cache) and of as much as the L3 besides (`elsewhere`), so that none finds its bytes in
-// the L3 and all meet the memory in the same state. As much other memory alone was not enough
-// where the L3 is larger than a history (an Intel Xeon reporting 480 MiB shared with other
-// tenants): a 16-bit history of 64 MiB then read 0.75-1.17 of the plain read from run to run, and
-// asking for rows ahead paid for the part still in the L3 (bench/RESULTS.md). The order matters on
-// one AMD EPYC core: with the read of the same bytes right after the attention call (which had
-// just read them) and the twin's next, the same bytes read 49-54 GB/s and the twin 35-38 (bf16,
-// 64 MiB); in this order both read 43-48. Each ReadBandwidth row sums a separate buffer of the
-// same size, allocated as a cache's storage is, with the same thread count, timed apart.
+// times in turn a plain read of an equally large twin cache (allocated the same way), a plain
+// read of the very same K and V bytes, the twin's read again, and one attention call, each right
+// after a read of as much other memory and of the L3 besides (`elsewhere`), so that none finds
+// its bytes in cache and all meet the memory in the same state. `vs_read` is the median read of
+// the same bytes over the median attention call, `vs_buffer` the median of the twin's reads over
+// it, and `read_bytes_per_second`, `buffer_bytes_per_second` and `median_bytes_per_second` the
+// medians as rates: other work on a shared machine falls on every side alike, and a median
+// ignores the odd disturbed call. Each ReadBandwidth row sums a separate buffer of the same size,
+// allocated as a cache's storage is, with the same thread count, timed apart.
 // `vs_multiply_add_peak` (as for prefill below, with a shorter loop) is the call's flop rate over
 // this core's multiply-add peak: with `vs_read`, how far a call is from either limit.
 //
