@@ -151,12 +151,10 @@ struct SixteenBitCodec {
 
   template <class In>
   static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
-    for (std::size_t d = 0; d < head_dim; ++d) {
-      if constexpr (std::is_same_v<In, T>) {
-        row[d] = in[d];
-      } else {
-        row[d] = narrow<T>(widen(in[d]));  // half and bfloat16 widen exactly: one rounding
-      }
+    if constexpr (std::is_same_v<In, T>) {
+      std::memcpy(static_cast<void*>(row), in, head_dim * sizeof(T));  // a loop of Eigen's type copies lane by lane
+    } else {
+      for (std::size_t d = 0; d < head_dim; ++d) row[d] = narrow<T>(widen(in[d]));  // widening is exact: one rounding
     }
     return 1.0F;
   }
@@ -182,7 +180,11 @@ struct PlainCodec {
 
   template <class In>
   static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
-    for (std::size_t d = 0; d < head_dim; ++d) row[d] = narrow<T>(widen(in[d]));
+    if constexpr (std::is_same_v<In, T>) {
+      std::memcpy(row, in, head_dim * sizeof(T));
+    } else {
+      for (std::size_t d = 0; d < head_dim; ++d) row[d] = narrow<T>(widen(in[d]));
+    }
     return 1.0F;
   }
   template <std::size_t B>
