@@ -4,16 +4,21 @@
 // Shared by the cache tests: the variant × element-type list, seeded data, and a flattened,
 // comparable picture of what a History holds.
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <random>
 #include <span>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -22,6 +27,7 @@
 #include "kvcache/kv_cache.hpp"
 #include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
+#include "kvcache/slot_kv_cache.hpp"
 
 namespace kvcache::testing {
 
@@ -29,6 +35,24 @@ template <class Cache>
 inline constexpr bool is_ring = false;
 template <class T>
 inline constexpr bool is_ring<RingKvCache<T>> = true;
+template <class Cache>
+inline constexpr bool is_slot = false;
+template <class T>
+inline constexpr bool is_slot<SlotKvCache<T>> = true;
+
+/// Tokens `layer` holds: every row's, for the caches whose rows advance together; the longest
+/// row's, for a slot cache (whose length(n) is a row's).
+template <class Cache>
+std::size_t layer_length(const Cache& cache, std::size_t layer) {
+  if constexpr (is_slot<Cache>) {
+    std::size_t longest = 0;
+    for (std::size_t row = 0; row < std::max<std::size_t>(cache.slots(), 1); ++row)
+      longest = std::max(longest, cache.length(row, layer));
+    return longest;
+  } else {
+    return cache.length(layer);
+  }
+}
 
 /// Every variant over every storage format: the protocol's typed suites run over all of them.
 using AllCaches =
@@ -37,7 +61,9 @@ using AllCaches =
                      ConcatKvCache<Eigen::half>, ConcatKvCache<Eigen::bfloat16>, ConcatKvCache<fp8_e4m3>,
                      ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, RingKvCache<float>, RingKvCache<double>,
                      RingKvCache<Eigen::half>, RingKvCache<Eigen::bfloat16>, RingKvCache<fp8_e4m3>,
-                     RingKvCache<int8_rows>, RingKvCache<int4_groups>>;
+                     RingKvCache<int8_rows>, RingKvCache<int4_groups>, SlotKvCache<float>, SlotKvCache<double>,
+                     SlotKvCache<Eigen::half>, SlotKvCache<Eigen::bfloat16>, SlotKvCache<fp8_e4m3>,
+                     SlotKvCache<int8_rows>, SlotKvCache<int4_groups>>;
 
 /// What the suites feed a cache storing T: T itself where it is a compute type, else float.
 template <class T>
@@ -64,10 +90,35 @@ struct CacheName {
   template <class Cache>
   static std::string GetName(int) {
     using T = typename Cache::value_type;
-    std::string variant = is_ring<Cache> ? "Ring" : std::is_same_v<Cache, ConcatKvCache<T>> ? "Concat" : "Dense";
+    std::string variant = is_ring<Cache>                            ? "Ring"
+                          : is_slot<Cache>                          ? "Slot"
+                          : std::is_same_v<Cache, ConcatKvCache<T>> ? "Concat"
+                                                                    : "Dense";
     return variant + "_" + storage_codec<T>::name;
   }
 };
+
+/// The standard exceptions a bad call may throw.
+enum class Throws { out_of_range, invalid_argument, length_error };
+
+/// Runs `call` and expects it to throw `type` with a message holding every one of `parts`.
+inline void expect_throw_naming(const std::function<void()>& call, Throws type, const std::vector<std::string>& parts) {
+  std::string message;
+  try {
+    call();
+    ADD_FAILURE() << "no exception";
+  } catch (const std::out_of_range& e) {
+    EXPECT_EQ(type, Throws::out_of_range) << e.what();
+    message = e.what();
+  } catch (const std::length_error& e) {
+    EXPECT_EQ(type, Throws::length_error) << e.what();
+    message = e.what();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(type, Throws::invalid_argument) << e.what();
+    message = e.what();
+  }
+  for (const std::string& part : parts) EXPECT_THAT(message, ::testing::HasSubstr(part));
+}
 
 /// Owned [B, H, T, D] data of seeded random values, viewable as TensorView<const T>.
 template <class T>
@@ -111,10 +162,12 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
     for (std::size_t j = 0; j < s.tokens(); ++j) {
       Row row;
       for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {
-        for (std::size_t b = 0; b < view->batch(); ++b) {
+        for (std::size_t b = 0; b < s.batch(); ++b) {
+          if (j >= s.tokens(b)) continue;  // a row that holds fewer keys
+          const std::size_t stored = s.stored_row(b);
           for (std::size_t h = 0; h < view->heads(); ++h) {
-            append_bytes(row, view->row(b, h, j), view->head_dim() * sizeof(Unit));
-            if constexpr (storage_codec<T>::row_scales) append_bytes(row, scales->at(b, h, j), sizeof(float));
+            append_bytes(row, view->row(stored, h, j), view->head_dim() * sizeof(Unit));
+            if constexpr (storage_codec<T>::row_scales) append_bytes(row, scales->at(stored, h, j), sizeof(float));
           }
         }
       }

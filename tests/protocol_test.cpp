@@ -21,6 +21,8 @@ using ::testing::HasSubstr;
 static_assert(kv_cache_protocol<KvCache<Eigen::bfloat16>>);
 static_assert(kv_cache_protocol<ConcatKvCache<Eigen::half>>);
 static_assert(kv_cache_protocol<RingKvCache<double>>);
+static_assert(row_cache_protocol<SlotKvCache<int8_rows>>);
+static_assert(!row_cache_protocol<KvCache<float>>);
 static_assert(std::is_trivially_copyable_v<TensorView<const float>>);
 static_assert(std::is_trivially_copyable_v<History<float>>);
 
@@ -49,7 +51,7 @@ class Protocol : public ::testing::Test {
   }
 
   History<T> feed_layer(Cache& cache, std::size_t layer, std::size_t tokens) {
-    const std::size_t start = cache.length(layer);
+    const std::size_t start = layer_length(cache, layer);
     Block<In> k({batch, kv_heads, tokens, head_dim}, seed_++);
     Block<In> v({batch, kv_heads, tokens, head_dim}, seed_++);
     const auto positions = arange(start, tokens);
@@ -168,8 +170,8 @@ TYPED_TEST(Protocol, PartWayPassMakesLengthThrowNamingTheLayersUntilRepaired) {
   auto cache = this->make();
   this->feed(cache, 5);
   this->feed_layer(cache, 0, 1);  // the pass stops after layer 0
-  EXPECT_EQ(cache.length(0), 6U);
-  EXPECT_EQ(cache.length(1), 5U);
+  EXPECT_EQ(layer_length(cache, 0), 6U);
+  EXPECT_EQ(layer_length(cache, 1), 5U);
   try {
     (void)cache.length();
     FAIL() << "length() must throw while layers disagree";
@@ -195,7 +197,7 @@ TYPED_TEST(Protocol, CapacityIsEnforced) {
 
 TYPED_TEST(Protocol, LengthOfABadLayerThrows) {
   auto cache = this->make();
-  EXPECT_THROW((void)cache.length(this->layers), std::out_of_range);
+  EXPECT_THROW((void)layer_length(cache, this->layers), std::out_of_range);
 }
 
 TYPED_TEST(Protocol, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
@@ -214,80 +216,80 @@ TYPED_TEST(Protocol, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
   struct Case {
     std::string name;
     std::function<void(Cache&)> call;
-    enum { kOutOfRange, kInvalidArgument, kLengthError } type;
+    Throws type;
     std::vector<std::string> parts;
   };
   const std::vector<Case> cases = {
       {"layer",
        update_with(3, {B, H, 1, D}, {B, H, 1, D}, at5),
-       Case::kOutOfRange,
+       Throws::out_of_range,
        {"layer", "expected < 3", "given 3"}},
       {"batch",
        update_with(0, {1, H, 1, D}, {1, H, 1, D}, at5),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"batch", "expected 2", "given 1"}},
       {"kv_heads",
        update_with(0, {B, 3, 1, D}, {B, 3, 1, D}, at5),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"kv_heads", "expected 2", "given 3"}},
       {"head_dim",
        update_with(0, {B, H, 1, 5}, {B, H, 1, 5}, at5),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"head_dim", "expected 4", "given 5"}},
       {"v tokens",
        update_with(0, {B, H, 1, D}, {B, H, 2, D}, at5),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"v shape", "[2, 2, 1, 4]", "given [2, 2, 2, 4]"}},
       {"v head_dim",
        update_with(0, {B, H, 1, D}, {B, H, 1, 3}, at5),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"v shape", "[2, 2, 1, 4]", "given [2, 2, 1, 3]"}},
       {"positions count",
        update_with(0, {B, H, 1, D}, {B, H, 1, D}, arange(5, 2)),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"positions count", "expected k's tokens 1", "given 2"}},
       {"position gap",
        update_with(0, {B, H, 1, D}, {B, H, 1, D}, arange(6, 1)),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"positions[0]", "expected 5", "given 6"}},
       {"position repeated",
        update_with(0, {B, H, 1, D}, {B, H, 1, D}, arange(4, 1)),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"positions[0]", "expected 5", "given 4"}},
       {"positions restart",
        update_with(0, {B, H, 2, D}, {B, H, 2, D}, arange(0, 2)),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"positions[0]", "expected 5", "given 0"}},
       {"positions out of order",
        update_with(1, {B, H, 2, D}, {B, H, 2, D}, {5, 7}),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"positions[1]", "expected 6", "given 7"}},
       {"negative position",
        update_with(0, {B, H, 1, D}, {B, H, 1, D}, {-1}),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"positions[0]", "expected 5", "given -1"}},
       {"null data",
        [=](Cache& cache) {
          const Block<E> v({B, H, 1, D}, 12);
          cache.update(0, TensorView<const E>(nullptr, {B, H, 1, D}), v.view(), at5);
        },
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"non-null", "given null"}},
       {"zero tokens, wrong kv_heads",
        update_with(0, {B, 3, 0, D}, {B, 3, 0, D}, {}),
-       Case::kInvalidArgument,
+       Throws::invalid_argument,
        {"kv_heads", "expected 2", "given 3"}},
       {"zero tokens, bad layer",
        update_with(3, {B, H, 0, D}, {B, H, 0, D}, {}),
-       Case::kOutOfRange,
+       Throws::out_of_range,
        {"layer", "expected < 3", "given 3"}},
       {"capacity",
        update_with(2, {B, H, 12, D}, {B, H, 12, D}, arange(5, 12)),
-       Case::kLengthError,
+       Throws::length_error,
        {"capacity 16", "5 + 12"}},
       {"truncate beyond length",
        [](Cache& cache) { cache.truncate(6); },
-       Case::kOutOfRange,
+       Throws::out_of_range,
        {"truncate", "<= 5", "given 6"}},
   };
 
@@ -298,27 +300,13 @@ TYPED_TEST(Protocol, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
     for (std::size_t step : {3U, 2U}) {
       for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) {
         const Block<E> k({B, H, step, D}, 100 + layer + step);
-        const auto positions = arange(cache.length(layer), step);
+        const auto positions = arange(layer_length(cache, layer), step);
         cache.update(layer, k.view(), k.view(), positions);
         twin.update(layer, k.view(), k.view(), positions);
       }
     }
     const std::size_t bytes_before = cache.bytes();
-    std::string message;
-    try {
-      c.call(cache);
-      ADD_FAILURE() << "no exception";
-    } catch (const std::out_of_range& e) {
-      EXPECT_EQ(c.type, Case::kOutOfRange) << e.what();
-      message = e.what();
-    } catch (const std::length_error& e) {
-      EXPECT_EQ(c.type, Case::kLengthError) << e.what();
-      message = e.what();
-    } catch (const std::invalid_argument& e) {
-      EXPECT_EQ(c.type, Case::kInvalidArgument) << e.what();
-      message = e.what();
-    }
-    for (const std::string& part : c.parts) EXPECT_THAT(message, HasSubstr(part));
+    expect_throw_naming([&] { c.call(cache); }, c.type, c.parts);
 
     // Unchanged: same lengths and bytes, and the next good update returns exactly what the
     // twin that never saw the bad call returns.
@@ -347,7 +335,7 @@ TYPED_TEST(Protocol, AMovedFromCacheHoldsNoLayersAndCanBeAssignedAgain) {
   EXPECT_EQ(cache.layers(), 0U);
   EXPECT_EQ(cache.length(), 0U);
   EXPECT_EQ(cache.bytes(), 0U);
-  EXPECT_THROW((void)cache.length(0), std::out_of_range);
+  EXPECT_THROW((void)layer_length(cache, 0), std::out_of_range);
   Block<typename TestFixture::In> k({this->batch, this->kv_heads, 1, this->head_dim}, 99);
   EXPECT_THROW(cache.update(0, k.view(), k.view(), arange(0, 1)), std::out_of_range);
   EXPECT_THROW(cache.truncate(1), std::out_of_range);
@@ -356,7 +344,7 @@ TYPED_TEST(Protocol, AMovedFromCacheHoldsNoLayersAndCanBeAssignedAgain) {
 
   cache = std::move(moved);
   EXPECT_EQ(cache.layers(), this->layers);
-  EXPECT_EQ(cache.length(0), 6U);
+  EXPECT_EQ(layer_length(cache, 0), 6U);
   EXPECT_EQ(moved.layers(), 0U);
   // NOLINTEND(bugprone-use-after-move, clang-analyzer-cplusplus.Move)
   this->feed_layer(cache, 1, 1);
@@ -383,7 +371,7 @@ void expect_input_type_rounded_once_and_checked() {
   EXPECT_THROW(given.update(0, k.view(), v.view(), arange(4, N)), std::invalid_argument);  // positions
   EXPECT_THROW(given.update(2, k.view(), v.view(), arange(N, N)), std::out_of_range);      // layer
   EXPECT_THROW(given.update(0, k.view(), v.view().tokens(0, 4), arange(N, N)), std::invalid_argument);
-  EXPECT_EQ(given.length(0), N);
+  EXPECT_EQ(layer_length(given, 0), N);
   EXPECT_EQ(given.bytes(), bytes);
   EXPECT_EQ(flatten(given.update(0, k.view().tokens(0, 0), v.view().tokens(0, 0), arange(N, 0))), got);
 }

@@ -223,7 +223,8 @@ class QuantizedCaches : public ::testing::Test {};
 using QuantizedCacheTypes =
     ::testing::Types<KvCache<fp8_e4m3>, KvCache<int8_rows>, KvCache<int4_groups>, ConcatKvCache<fp8_e4m3>,
                      ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, RingKvCache<fp8_e4m3>,
-                     RingKvCache<int8_rows>, RingKvCache<int4_groups>>;
+                     RingKvCache<int8_rows>, RingKvCache<int4_groups>, SlotKvCache<fp8_e4m3>, SlotKvCache<int8_rows>,
+                     SlotKvCache<int4_groups>>;
 TYPED_TEST_SUITE(QuantizedCaches, QuantizedCacheTypes, CacheName);
 
 TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTheCacheUnchanged) {
@@ -237,9 +238,9 @@ TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTh
   const Block<float> first({B, H, 3, D}, 5);
   Block<float> bad({B, H, 4, D}, 6);
   const auto refused = [&](std::size_t layer, float value, const std::vector<std::string>& words) {
-    const auto before_history = flatten(
-        cache.update(layer, first.view().tokens(0, 0), first.view().tokens(0, 0), arange(cache.length(layer), 0)));
-    const std::size_t length = cache.length(layer), bytes = cache.bytes(), clipped = cache.clipped();
+    const auto before_history = flatten(cache.update(layer, first.view().tokens(0, 0), first.view().tokens(0, 0),
+                                                     arange(layer_length(cache, layer), 0)));
+    const std::size_t length = layer_length(cache, layer), bytes = cache.bytes(), clipped = cache.clipped();
     const std::vector<float> key_scales = cache.head_scales(false), value_scales = cache.head_scales(true);
     bad.mutable_view()(1, 1, 2, 3) = value;
     try {
@@ -249,7 +250,7 @@ TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTh
       for (const std::string& w : words) EXPECT_THAT(e.what(), HasSubstr(w));
     }
     bad.mutable_view()(1, 1, 2, 3) = 0.25F;
-    EXPECT_EQ(cache.length(layer), length);
+    EXPECT_EQ(layer_length(cache, layer), length);
     EXPECT_EQ(cache.bytes(), bytes);
     EXPECT_EQ(cache.clipped(), clipped);
     EXPECT_EQ(cache.head_scales(false), key_scales);
@@ -265,7 +266,7 @@ TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTh
   if constexpr (std::is_same_v<T, int4_groups>) refused(1, 70000.0F, {"65504", "70000"});
   // And a good update still goes in after all of them.
   cache.update(1, bad.view(), bad.view(), arange(3, 4));
-  EXPECT_EQ(cache.length(1), 7U);
+  EXPECT_EQ(layer_length(cache, 1), 7U);
 }
 
 // ---- FP8's head scales -----------------------------------------------------------------------

@@ -23,6 +23,7 @@
 #include "kvcache/kv_cache.hpp"
 #include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
+#include "kvcache/slot_kv_cache.hpp"
 #include "qwen3/model.hpp"
 
 namespace {
@@ -117,8 +118,10 @@ struct Dense {
                   .value_scales = scales.values});
   }
   static std::string name() {
-    return std::string(std::is_same_v<Cache, kvcache::KvCache<T>> ? "KvCache<" : "ConcatKvCache<") + type_name<T>() +
-           ">";
+    const char* variant = std::is_same_v<Cache, kvcache::KvCache<T>>       ? "KvCache<"
+                          : std::is_same_v<Cache, kvcache::SlotKvCache<T>> ? "SlotKvCache<"
+                                                                           : "ConcatKvCache<";
+    return variant + std::string(type_name<T>()) + ">";
   }
 };
 
@@ -149,6 +152,8 @@ template <class T>
 using KvCase = Dense<kvcache::KvCache, T>;
 template <class T>
 using ConcatCase = Dense<kvcache::ConcatKvCache, T>;
+template <class T>
+using SlotCase = Dense<kvcache::SlotKvCache, T>;  // one slot, through the protocol's update
 
 struct CaseName {
   template <class Case>
@@ -169,7 +174,9 @@ using Cases =
                      ConcatCase<Eigen::bfloat16>, Ring<Eigen::bfloat16, 7, 2, 1>, KvCase<kvcache::fp8_e4m3>,
                      ConcatCase<kvcache::fp8_e4m3>, Ring<kvcache::fp8_e4m3, 7, 2, 1>, KvCase<kvcache::int8_rows>,
                      ConcatCase<kvcache::int8_rows>, Ring<kvcache::int8_rows, 7, 2, 1>, KvCase<kvcache::int4_groups>,
-                     ConcatCase<kvcache::int4_groups>, Ring<kvcache::int4_groups, 7, 2, 1>>;
+                     ConcatCase<kvcache::int4_groups>, Ring<kvcache::int4_groups, 7, 2, 1>, SlotCase<float>,
+                     SlotCase<double>, SlotCase<Eigen::half>, SlotCase<Eigen::bfloat16>, SlotCase<kvcache::fp8_e4m3>,
+                     SlotCase<kvcache::int8_rows>, SlotCase<kvcache::int4_groups>>;
 
 template <class Case>
 class Equivalence : public ::testing::Test {};
@@ -239,6 +246,113 @@ TYPED_TEST(Equivalence, CachedLogitsEqualUncachedAtEveryPosition) {
   EXPECT_LE(worst_rounded, rounded_tolerance<T>()) << Case::name();
   std::printf("[ max |dlogit| ] %-48s vs uncached float %.3g, vs uncached %s-rounded %.3g\n", Case::name().c_str(),
               worst, type_name<T>(), worst_rounded);
+}
+
+// ---- a batch of sequences in the rows of a slot cache --------------------------------------
+
+/// One sequence of the mixed batch: its tokens, how many of them its prompt is, and the step
+/// it is admitted at; `finish`, the step it is released at (never, if 0) however long it is.
+struct Request {
+  std::vector<TokenId> tokens;
+  std::size_t prompt = 0;
+  std::size_t admit = 0;
+  std::size_t finish = 0;
+  std::size_t row = 0;
+  std::size_t fed = 0;
+  Matrix logits;  // of every position fed, in order
+};
+
+TEST(SlotBatch, EveryRowOfAMixedBatchGetsTheLogitsItsSequenceGetsAlone) {
+  qwen3::Model& model = tiny_model();
+  const qwen3::Config& c = model.config();
+  kvcache::SlotKvCache<float> cache(
+      {.layers = c.layers, .batch = 8, .kv_heads = c.kv_heads, .head_dim = c.head_dim, .capacity = 40});
+  // Prompts of different lengths admitted at different steps (two of equal length together);
+  // requests 2 and 5 finish early and requests 8 and 9 take their slots.
+  const std::vector<std::size_t> prompts = {7, 7, 13, 1, 22, 4, 9, 30, 5, 16};
+  const std::vector<std::size_t> admits = {0, 0, 0, 1, 2, 2, 4, 6, 9, 12};
+  std::vector<Request> requests;
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    Request r;
+    r.tokens = fixed_tokens(prompts[i] + 8, 100 + i);
+    r.prompt = prompts[i];
+    r.admit = admits[i];
+    requests.push_back(std::move(r));
+  }
+  requests[2].finish = 7;
+  requests[5].finish = 8;
+
+  std::vector<std::size_t> released;
+  for (std::size_t step = 0; step < 24; ++step) {
+    for (Request& r : requests) {
+      if (r.finish == step && r.fed != 0) {
+        cache.release(r.row);
+        released.push_back(r.row);
+        r.fed = r.tokens.size();  // done
+      }
+    }
+    std::vector<qwen3::Model::RowTokens> batch;
+    std::vector<Request*> in_batch;
+    for (Request& r : requests) {
+      if (step < r.admit || r.fed == r.tokens.size()) continue;
+      if (step == r.admit) r.row = cache.acquire();
+      const std::size_t count = r.fed == 0 ? r.prompt : 1;  // the whole prompt, then one token a step
+      batch.push_back({r.row, slice(r.tokens, r.fed, count)});
+      in_batch.push_back(&r);
+    }
+    if (batch.empty()) continue;
+    const std::vector<Matrix> logits = model.forward(batch, cache);
+    ASSERT_EQ(logits.size(), batch.size());
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      Request& r = *in_batch[i];
+      ASSERT_EQ(logits[i].rows(), static_cast<Eigen::Index>(batch[i].tokens.size()));
+      Matrix grown(r.logits.rows() + logits[i].rows(), logits[i].cols());
+      grown << r.logits, logits[i];
+      r.logits = std::move(grown);
+      r.fed += batch[i].tokens.size();
+      EXPECT_EQ(cache.length(r.row), r.fed);
+    }
+  }
+  EXPECT_EQ(released, std::vector<std::size_t>({requests[8].row, requests[9].row}))
+      << "requests 8 and 9 take the slots requests 2 and 5 left";
+
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const Request& r = requests[i];
+    // The same sequence alone through a KvCache, prompt then single tokens.
+    kvcache::KvCache<float> alone({.layers = c.layers, .kv_heads = c.kv_heads, .head_dim = c.head_dim, .capacity = 40});
+    Matrix expected = model.forward(slice(r.tokens, 0, r.prompt), alone);
+    for (std::size_t p = r.prompt; p < static_cast<std::size_t>(r.logits.rows()); ++p) {
+      Matrix grown(expected.rows() + 1, expected.cols());
+      grown << expected, model.forward(slice(r.tokens, p, 1), alone);
+      expected = std::move(grown);
+    }
+    ASSERT_GE(r.logits.rows(), static_cast<Eigen::Index>(r.prompt + 1)) << "request " << i;
+    EXPECT_LE(max_abs_diff(r.logits, expected), 1e-5) << "request " << i;
+  }
+}
+
+TEST(SlotBatch, AFailedBatchLeavesEveryRowWhereItWas) {
+  qwen3::Model& model = tiny_model();
+  const qwen3::Config& c = model.config();
+  kvcache::SlotKvCache<float> cache(
+      {.layers = c.layers, .batch = 3, .kv_heads = c.kv_heads, .head_dim = c.head_dim, .capacity = 16});
+  const std::vector<TokenId> tokens = fixed_tokens(16, 3);
+  const std::size_t a = cache.acquire(), b = cache.acquire();
+  const std::vector<qwen3::Model::RowTokens> prompts = {{a, slice(tokens, 0, 5)}, {b, slice(tokens, 0, 12)}};
+  (void)model.forward(prompts, cache);
+  // Row a's single token goes in first (the smaller group); row b's 5 tokens pass its capacity
+  // in layer 0, so row a is rolled back through every layer it had reached.
+  const std::vector<qwen3::Model::RowTokens> bad = {{b, slice(tokens, 0, 5)}, {a, slice(tokens, 5, 1)}};
+  EXPECT_THROW((void)model.forward(bad, cache), std::length_error);
+  EXPECT_EQ(cache.length(a), 5U);
+  EXPECT_EQ(cache.length(b), 12U);
+  const std::vector<qwen3::Model::RowTokens> twice = {{a, slice(tokens, 5, 1)}, {a, slice(tokens, 6, 1)}};
+  EXPECT_THROW((void)model.forward(twice, cache), std::invalid_argument);
+  EXPECT_EQ(cache.length(a), 5U);
+  // And the rows go on to the logits they would have had.
+  const std::vector<qwen3::Model::RowTokens> next = {{a, slice(tokens, 5, 1)}};
+  EXPECT_LE(max_abs_diff(model.forward(next, cache)[0], model.forward_uncached(slice(tokens, 0, 6)).bottomRows(1)),
+            1e-5);
 }
 
 // ---- the comparison can fail ---------------------------------------------------------------

@@ -232,15 +232,89 @@ class Model {
     check_tokens(tokens);
     const std::size_t start = cache.length();
     try {
-      auto attend = [&](std::size_t layer, const Attention& a) {
+      auto attend = [&](std::size_t layer, const Projections& p) {
+        const Attention a = p.rows(0, 1, tokens.size());
         const auto history = cache.update(layer, a.k, a.v, a.positions);
         kvcache::causal_attention(a.q, a.positions, history, a.out);
       };
-      return run(tokens, start, which, attend);
+      run(tokens, sequence_positions(start, tokens.size()), attend);
+      return logits(0, tokens.size(), which);
     } catch (...) {
-      repair(cache, start);
+      try {
+        cache.truncate(start);  // puts back layers a failed pass had already extended
+      } catch (...) {
+        // The cache cannot go back (a ring that has dropped the window); its length() now
+        // names the layers that disagree, which is the most useful thing left to report.
+      }
       throw;
     }
+  }
+
+  /// One sequence of a batch: the cache row that holds it and its next tokens.
+  struct RowTokens {
+    std::size_t row = 0;
+    std::span<const TokenId> tokens;
+  };
+
+  /// One forward pass over a batch of sequences held in the rows of `cache`, each at positions
+  /// continuing its own row's length: logits per sequence in the order given, [T_i, vocab] (or
+  /// [1, vocab] for Logits::last). The weights are read once for every token of the batch;
+  /// sequences advancing by equal counts share one update and one attention call per layer.
+  /// Throws std::out_of_range for a bad token and std::invalid_argument for a row listed twice
+  /// before touching the cache; a cache error propagates with every row rolled back.
+  template <kvcache::row_cache_protocol<float> Cache>
+  std::vector<Matrix> forward(std::span<const RowTokens> batch, Cache& cache, Logits which = Logits::all) {
+    std::vector<std::size_t> order(batch.size());  // sequences grouped by token count
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return batch[a].tokens.size() < batch[b].tokens.size(); });
+    std::vector<TokenId> tokens;
+    std::vector<std::int64_t> positions;
+    std::vector<std::size_t> rows, starts, first(batch.size());
+    for (const std::size_t i : order) {
+      check_tokens(batch[i].tokens);
+      for (const std::size_t row : rows) {
+        if (row == batch[i].row) {
+          throw std::invalid_argument("qwen3::Model: batch rows: expected each row once, given row " +
+                                      std::to_string(row) + " twice");
+        }
+      }
+      rows.push_back(batch[i].row);
+      starts.push_back(cache.length(batch[i].row));
+      first[i] = tokens.size();
+      tokens.insert(tokens.end(), batch[i].tokens.begin(), batch[i].tokens.end());
+      const auto p = sequence_positions(starts.back(), batch[i].tokens.size());
+      positions.insert(positions.end(), p.begin(), p.end());
+    }
+    try {
+      auto attend = [&](std::size_t layer, const Projections& p) {
+        for (std::size_t g = 0, token = 0; g < order.size();) {  // a group: sequences of one count
+          const std::size_t count = batch[order[g]].tokens.size();
+          std::size_t end = g;
+          while (end < order.size() && batch[order[end]].tokens.size() == count) ++end;
+          if (count != 0) {
+            const Attention a = p.rows(token, end - g, count);
+            const auto history = cache.update(layer, a.k, a.v, a.positions, kvcache::Rows(rows.data() + g, end - g));
+            kvcache::causal_attention(a.q, a.positions, history, a.out);
+          }
+          token += (end - g) * count;
+          g = end;
+        }
+      };
+      run(tokens, positions, attend);
+    } catch (...) {
+      for (std::size_t g = 0; g < rows.size(); ++g) {
+        try {
+          cache.truncate(rows[g], starts[g]);
+        } catch (...) {  // NOLINT(bugprone-empty-catch): the first error is the one to report
+        }
+      }
+      throw;
+    }
+    std::vector<Matrix> out;
+    out.reserve(batch.size());
+    for (std::size_t i = 0; i < batch.size(); ++i) out.push_back(logits(first[i], batch[i].tokens.size(), which));
+    return out;
   }
 
   /// Logits of the whole sequence at positions 0..T-1 with no cache, masked by `window`.
@@ -254,13 +328,15 @@ class Model {
                           HeadScales scales = {}) {
     check_tokens(tokens);
     const kvcache::AttentionOptions options{.window = window.size, .sinks = window.sinks};
+    const auto positions = sequence_positions(0, tokens.size());
     if constexpr (std::is_same_v<T, float>) {
-      auto attend = [&](std::size_t, const Attention& a) {
+      auto attend = [&](std::size_t, const Projections& p) {
+        const Attention a = p.rows(0, 1, tokens.size());
         const kvcache::Segment<float> everything{a.k, a.v, a.positions};
         const kvcache::History<float> history{std::span<const kvcache::Segment<float>>(&everything, 1)};
         kvcache::causal_attention(a.q, a.positions, history, a.out, options);
       };
-      return run(tokens, 0, which, attend);
+      run(tokens, positions, attend);
     } else {
       const Config& c = w_.config;
       kvcache::KvCache<T> stored({.layers = c.layers,
@@ -269,24 +345,56 @@ class Model {
                                   .capacity = std::max<std::size_t>(tokens.size(), 1),
                                   .key_scales = scales.keys,
                                   .value_scales = scales.values});
-      auto attend = [&](std::size_t layer, const Attention& a) {
+      auto attend = [&](std::size_t layer, const Projections& p) {
+        const Attention a = p.rows(0, 1, tokens.size());
         const auto history = stored.update(layer, a.k, a.v, a.positions);
         kvcache::causal_attention(a.q, a.positions, history, a.out, options);
       };
-      return run(tokens, 0, which, attend);
+      run(tokens, positions, attend);
     }
+    return logits(0, tokens.size(), which);
   }
 
  private:
-  /// One layer's attention inputs: q [1, H_q, T, D], k and v [1, H_kv, T, D] as strided views
-  /// of the projection outputs (no transposes), and where to write [1, H_q, T, D].
+  /// One attention call's inputs: q [R, H_q, T, D], k and v [R, H_kv, T, D] as strided views
+  /// of the projection outputs (no transposes), positions per row, and where to write.
   struct Attention {
     kvcache::TensorView<const float> q;
     kvcache::TensorView<const float> k;
     kvcache::TensorView<const float> v;
-    std::span<const std::int64_t> positions;
+    kvcache::Positions positions;
     kvcache::TensorView<float> out;
   };
+
+  /// One layer's projections of every token, [N, heads * D] row-major each, with the tokens'
+  /// positions.
+  struct Projections {
+    const float* q;
+    const float* k;
+    const float* v;
+    float* out;
+    const std::int64_t* positions;
+    std::size_t q_heads, kv_heads, head_dim;
+
+    /// `rows` sequences of `tokens` tokens each, packed one after another from token `first`.
+    [[nodiscard]] Attention rows(std::size_t first, std::size_t rows, std::size_t tokens) const noexcept {
+      const auto view = [&](auto* data, std::size_t heads) {
+        // [rows * T, heads * D] row-major is [rows, heads, T, D] with token stride heads * D.
+        using V = kvcache::TensorView<std::remove_pointer_t<decltype(data)>>;
+        const std::size_t width = heads * head_dim;
+        return V(data + first * width, {rows, heads, tokens, head_dim}, {tokens * width, head_dim, width});
+      };
+      return {view(q, q_heads), view(k, kv_heads), view(v, kv_heads),
+              kvcache::Positions(positions + first, tokens, rows > 1 ? tokens : 0), view(out, q_heads)};
+    }
+  };
+
+  /// start, start + 1, ..., start + count - 1, in scratch kept between calls.
+  std::span<const std::int64_t> sequence_positions(std::size_t start, std::size_t count) {
+    positions_.resize(count);
+    std::iota(positions_.begin(), positions_.end(), static_cast<std::int64_t>(start));
+    return positions_;
+  }
 
   static std::string shape_str(const std::vector<std::size_t>& shape) {
     std::string s = "[";
@@ -303,22 +411,6 @@ class Model {
         throw std::out_of_range("qwen3::Model: token " + std::to_string(i) + ": expected an id in [0, " +
                                 std::to_string(w_.config.vocab) + "), given " + std::to_string(tokens[i]));
       }
-    }
-  }
-
-  /// After a failed pass, puts every layer back to `start` tokens when the cache can.
-  template <class Cache>
-  static void repair(Cache& cache, std::size_t start) noexcept {
-    try {
-      for (std::size_t l = 0; l < cache.layers(); ++l) {
-        if (cache.length(l) != start) {
-          cache.truncate(start);
-          return;
-        }
-      }
-    } catch (...) {
-      // The cache cannot go back (a ring that has dropped the window); its length() now
-      // names the layers that disagree, which is the most useful thing left to report.
     }
   }
 
@@ -362,40 +454,34 @@ class Model {
    public:
     template <class F>
     AttendRef(F& f) noexcept  // NOLINT(google-explicit-constructor)
-        : object_(&f), call_([](void* o, std::size_t layer, const Attention& a) { (*static_cast<F*>(o))(layer, a); }) {}
-    void operator()(std::size_t layer, const Attention& a) const { call_(object_, layer, a); }
+        : object_(&f),
+          call_([](void* o, std::size_t layer, const Projections& p) { (*static_cast<F*>(o))(layer, p); }) {}
+    void operator()(std::size_t layer, const Projections& p) const { call_(object_, layer, p); }
 
    private:
     void* object_;
-    void (*call_)(void*, std::size_t, const Attention&);
+    void (*call_)(void*, std::size_t, const Projections&);
   };
 
-  /// The layers, with attention delegated to `attend(layer, Attention)`.
-  Matrix run(std::span<const TokenId> tokens, std::size_t first, Logits which, AttendRef attend) {
+  /// The layers over `tokens` at `positions`, with attention delegated to
+  /// `attend(layer, Projections)`; leaves the last residual stream in x_.
+  void run(std::span<const TokenId> tokens, std::span<const std::int64_t> positions, AttendRef attend) {
     const Config& c = w_.config;
     const std::size_t n = tokens.size();
-    if (n == 0) return Matrix(0, idx(c.vocab));  // NOLINT(modernize-return-braced-init-list): rows, cols
-    positions_.resize(n);
-    std::iota(positions_.begin(), positions_.end(), static_cast<std::int64_t>(first));
+    x_.resize(idx(n), idx(c.hidden));
+    if (n == 0) return;
     // Angles in double: at position 30000 a float angle is already off by milliradians.
     rope_cos_.resize(idx(n), idx(c.head_dim / 2));
     rope_sin_.resize(idx(n), idx(c.head_dim / 2));
     for (std::size_t t = 0; t < n; ++t) {
       for (std::size_t i = 0; i < inv_freq_.size(); ++i) {
-        const double angle = static_cast<double>(positions_[t]) * inv_freq_[i];
+        const double angle = static_cast<double>(positions[t]) * inv_freq_[i];
         rope_cos_(idx(t), idx(i)) = static_cast<float>(std::cos(angle));
         rope_sin_(idx(t), idx(i)) = static_cast<float>(std::sin(angle));
       }
     }
-    x_.resize(idx(n), idx(c.hidden));
     for (std::size_t t = 0; t < n; ++t) x_.row(idx(t)) = w_.embed.row(tokens[t]);
 
-    const std::size_t dim = c.head_dim;
-    const auto heads_view = [&](auto* data, std::size_t heads) {
-      // [T, heads * D] row-major is [1, heads, T, D] with token stride heads * D.
-      using V = kvcache::TensorView<std::remove_pointer_t<decltype(data)>>;
-      return V(data, {1, heads, n, dim}, {n * heads * dim, dim, heads * dim});
-    };
     for (std::size_t l = 0; l < c.layers; ++l) {
       const LayerWeights& lw = w_.layers[l];
       rms_norm(x_, lw.input_norm, h_);
@@ -405,10 +491,8 @@ class Model {
       norm_and_rotate(q_, c.q_heads, lw.q_norm);
       norm_and_rotate(k_, c.kv_heads, lw.k_norm);
       attn_.resize(idx(n), idx(c.q_width()));
-      attend(l, Attention{heads_view(static_cast<const float*>(q_.data()), c.q_heads),
-                          heads_view(static_cast<const float*>(k_.data()), c.kv_heads),
-                          heads_view(static_cast<const float*>(v_.data()), c.kv_heads), positions_,
-                          heads_view(attn_.data(), c.q_heads)});
+      attend(l, Projections{q_.data(), k_.data(), v_.data(), attn_.data(), positions.data(), c.q_heads, c.kv_heads,
+                            c.head_dim});
       x_.noalias() += attn_ * lw.o_proj.transpose();
 
       rms_norm(x_, lw.post_norm, h_);
@@ -417,8 +501,14 @@ class Model {
       gate_.array() = gate_.array() / (1.0F + (-gate_.array()).exp()) * up_.array();  // silu(gate) * up
       x_.noalias() += gate_ * lw.down_proj.transpose();
     }
-    const Eigen::Index from = which == Logits::last ? idx(n - 1) : 0;
-    rms_norm(x_.bottomRows(idx(n) - from), w_.final_norm, h_);
+  }
+
+  /// Logits of tokens [first, first + count) of the last run (or of the last of them).
+  Matrix logits(std::size_t first, std::size_t count, Logits which) {
+    const Config& c = w_.config;
+    if (count == 0) return Matrix(0, idx(c.vocab));  // NOLINT(modernize-return-braced-init-list): rows, cols
+    const std::size_t from = which == Logits::last ? first + count - 1 : first;
+    rms_norm(x_.middleRows(idx(from), idx(first + count - from)), w_.final_norm, h_);
     const Matrix& head = c.tied ? w_.embed : w_.lm_head;
     return h_ * head.transpose();
   }

@@ -73,9 +73,17 @@ void check_attention(const TensorView<const Q>& q, const Positions& q_positions,
                                                  "its keys' tokens " + std::to_string(k.tokens),
                                                  std::to_string(seg.positions.tokens())));
     }
-    if (k.batch != q.batch()) {
-      throw std::invalid_argument(
-          expected_given(name() + " batch", "q's batch " + std::to_string(q.batch()), std::to_string(k.batch)));
+    if (seg.batch() != q.batch()) {
+      throw std::invalid_argument(expected_given(name() + (seg.rows.empty() ? " batch" : " rows count"),
+                                                 "q's batch " + std::to_string(q.batch()),
+                                                 std::to_string(seg.batch())));
+    }
+    for (std::size_t b = 0; b < seg.rows.size(); ++b) {
+      if (seg.rows[b] >= k.batch) {
+        throw std::invalid_argument(expected_given(name() + " rows[" + std::to_string(b) + "]",
+                                                   "a stored row < " + std::to_string(k.batch),
+                                                   std::to_string(seg.rows[b])));
+      }
     }
     if (k.head_dim != units) {
       throw std::invalid_argument(
@@ -88,8 +96,9 @@ void check_attention(const TensorView<const Q>& q, const Positions& q_positions,
       throw std::invalid_argument(expected_given(
           name() + " kv_heads", "segment 0's kv_heads " + std::to_string(kv_heads), std::to_string(k.heads)));
     }
-    if (!seg.row_tokens.empty() && seg.row_tokens.size() != k.batch) {
-      throw std::invalid_argument(expected_given(name() + " row_tokens count", "its batch " + std::to_string(k.batch),
+    if (!seg.row_tokens.empty() && seg.row_tokens.size() != seg.batch()) {
+      throw std::invalid_argument(expected_given(name() + " row_tokens count",
+                                                 "its batch " + std::to_string(seg.batch()),
                                                  std::to_string(seg.row_tokens.size())));
     }
     if (k.size() != 0 &&

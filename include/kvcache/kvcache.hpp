@@ -12,4 +12,5 @@
 #include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
 #include "kvcache/size.hpp"
+#include "kvcache/slot_kv_cache.hpp"
 #include "kvcache/views.hpp"

@@ -213,6 +213,44 @@ class Positions {
   std::size_t row_stride_ = 0;
 };
 
+/// The batch rows (slots) an update writes, in the order of k's batch rows: a non-owning list
+/// from a std::span or any contiguous range of std::size_t, from one std::size_t variable, or
+/// from a braced list, `cache.update(layer, k, v, positions, {0, 3})` (valid for that call).
+class Rows {
+ public:
+  constexpr Rows() noexcept = default;
+  constexpr Rows(const std::size_t* data, std::size_t size) noexcept : data_(data), size_(size) {}
+  /// One row, viewed in place: the variable must outlive the Rows.
+  constexpr Rows(const std::size_t& row) noexcept : data_(&row), size_(1) {}  // NOLINT(google-explicit-constructor)
+  Rows(const std::size_t&& row) = delete;
+// A braced list lives until the end of the call it is written in, which is all a Rows needs.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winit-list-lifetime"
+#endif
+  constexpr Rows(std::initializer_list<std::size_t> rows) noexcept  // NOLINT(google-explicit-constructor)
+      : data_(rows.begin()), size_(rows.size()) {}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+  template <std::ranges::contiguous_range R>
+  requires std::is_same_v<std::remove_cv_t<std::ranges::range_value_t<R>>, std::size_t>
+  constexpr Rows(const R& rows) noexcept  // NOLINT(google-explicit-constructor)
+      : data_(std::ranges::data(rows)), size_(std::ranges::size(rows)) {}
+
+  [[nodiscard]] constexpr const std::size_t* data() const noexcept { return data_; }
+  [[nodiscard]] constexpr std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] constexpr bool empty() const noexcept { return size_ == 0; }
+  [[nodiscard]] constexpr std::size_t operator[](std::size_t i) const noexcept { return data_[i]; }
+  [[nodiscard]] constexpr const std::size_t* begin() const noexcept { return data_; }
+  [[nodiscard]] constexpr const std::size_t* end() const noexcept { return data_ + size_; }
+  [[nodiscard]] constexpr std::span<const std::size_t> span() const noexcept { return {data_, size_}; }
+
+ private:
+  const std::size_t* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
 /// The positions of `tokens` tokens that continue a layer holding `length`:
 /// `auto positions = kvcache::next_positions(cache.length(layer), tokens);`
 [[nodiscard]] inline std::vector<std::int64_t> next_positions(std::size_t length, std::size_t tokens) {
@@ -236,9 +274,13 @@ struct RowScales {
 /// One run of a layer's history: keys, values and the absolute position of each key.
 /// keys/values are [B, H_kv, n, units] stored rows of format T (units = storage_codec<T>::units
 /// of the head size: the head size itself for float, double, half and bfloat16); positions
-/// has n entries, shared by every batch row or one list per row; scales, for formats whose rows
-/// carry them; row_tokens, where batch rows hold fewer than n keys (row b reads its first
-/// row_tokens[b]).
+/// has n entries, shared by every stored row or one list per row; scales, for formats whose
+/// rows carry them.
+///
+/// Two optional spans let the batch rows of an attention call differ from the stored rows:
+/// `rows`, the stored row each batch row reads (a slot cache's scattered slots; empty: batch row
+/// b reads stored row b), and `row_tokens`, how many of its stored row's first keys each batch
+/// row reads (rows of different lengths; empty: all n).
 template <class T>
 struct Segment {
   using unit = typename storage_codec<T>::unit;
@@ -248,8 +290,13 @@ struct Segment {
   RowScales key_scales{};
   RowScales value_scales{};
   std::span<const std::size_t> row_tokens{};
+  std::span<const std::size_t> rows{};
 
   [[nodiscard]] constexpr std::size_t tokens() const noexcept { return positions.tokens(); }
+  /// Batch rows an attention call over this segment has.
+  [[nodiscard]] constexpr std::size_t batch() const noexcept { return rows.empty() ? keys.batch() : rows.size(); }
+  /// The stored row batch row b reads.
+  [[nodiscard]] constexpr std::size_t stored_row(std::size_t b) const noexcept { return rows.empty() ? b : rows[b]; }
   /// Keys batch row b reads.
   [[nodiscard]] constexpr std::size_t tokens(std::size_t b) const noexcept {
     return row_tokens.empty() ? tokens() : std::min(tokens(), row_tokens[b]);

@@ -32,9 +32,10 @@ class CacheBase {
     if (lengths_.empty()) return 0;  // moved from
     const std::size_t first = lengths_.front();
     if (std::all_of(lengths_.begin(), lengths_.end(), [&](std::size_t n) { return n == first; })) return first;
-    throw std::runtime_error(
-        std::string(name_) + "::length: layers disagree (a forward pass stopped part-way): expected every layer to " +
-        "hold the same number of tokens, given " + describe_lengths() + "; truncate() or reset() repairs it");
+    throw std::runtime_error(std::string(name_) +
+                             "::length: layers disagree (a forward pass stopped part-way): expected every layer to " +
+                             "hold the same number of tokens, given " + describe_layer_lengths(lengths_) +
+                             "; truncate() or reset() repairs it");
   }
   /// Tokens held by one layer; std::out_of_range for a bad layer.
   [[nodiscard]] std::size_t length(std::size_t layer) const {
@@ -258,21 +259,6 @@ class CacheBase {
     }
   }
 
-  /// "layers 0-1 hold 6, layer 2 holds 5" for the message of length().
-  [[nodiscard]] std::string describe_lengths() const {
-    std::string runs;
-    for (std::size_t begin = 0; begin < lengths_.size();) {
-      std::size_t end = begin;
-      while (end + 1 < lengths_.size() && lengths_[end + 1] == lengths_[begin]) ++end;
-      if (!runs.empty()) runs += ", ";
-      runs += begin == end ? "layer " + std::to_string(begin) + " holds "
-                           : "layers " + std::to_string(begin) + "-" + std::to_string(end) + " hold ";
-      runs += std::to_string(lengths_[begin]);
-      begin = end + 1;
-    }
-    return runs;
-  }
-
   std::string_view name_;  // a string literal: the variant's name for messages
   Geometry geometry_;
   std::vector<std::size_t> lengths_;
@@ -302,6 +288,33 @@ class ComputeTypeUpdates {
   History<T> update(std::size_t layer, TensorView<const Eigen::bfloat16> k, TensorView<const Eigen::bfloat16> v,
                     const Positions& positions) requires accepts_input<T, Eigen::bfloat16> {
     return self().store(layer, k, v, positions);
+  }
+
+ private:
+  Cache& self() noexcept { return static_cast<Cache&>(*this); }
+};
+
+/// update(layer, k, v, positions, rows) for every compute type a format accepts, as
+/// ComputeTypeUpdates gives the protocol's form, for caches whose rows advance on their own.
+/// Each forwards to the variant's `store<In>(layer, k, v, positions, rows)`.
+template <class Cache, class T>
+class RowUpdates {
+ public:
+  History<T> update(std::size_t layer, TensorView<const float> k, TensorView<const float> v, const Positions& positions,
+                    Rows rows) requires accepts_input<T, float> {
+    return self().store(layer, k, v, positions, rows);
+  }
+  History<T> update(std::size_t layer, TensorView<const double> k, TensorView<const double> v,
+                    const Positions& positions, Rows rows) requires accepts_input<T, double> {
+    return self().store(layer, k, v, positions, rows);
+  }
+  History<T> update(std::size_t layer, TensorView<const Eigen::half> k, TensorView<const Eigen::half> v,
+                    const Positions& positions, Rows rows) requires accepts_input<T, Eigen::half> {
+    return self().store(layer, k, v, positions, rows);
+  }
+  History<T> update(std::size_t layer, TensorView<const Eigen::bfloat16> k, TensorView<const Eigen::bfloat16> v,
+                    const Positions& positions, Rows rows) requires accepts_input<T, Eigen::bfloat16> {
+    return self().store(layer, k, v, positions, rows);
   }
 
  private:

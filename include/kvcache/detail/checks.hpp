@@ -37,6 +37,22 @@ inline std::string expected_given(const std::string& what, std::size_t expected,
   return expected_given(what, std::to_string(expected), std::to_string(given));
 }
 
+/// "layers 0-1 hold 6, layer 2 holds 5": tokens by layer, for the message of a length() that
+/// finds the layers disagree.
+inline std::string describe_layer_lengths(std::span<const std::size_t> lengths) {
+  std::string runs;
+  for (std::size_t begin = 0; begin < lengths.size();) {
+    std::size_t end = begin;
+    while (end + 1 < lengths.size() && lengths[end + 1] == lengths[begin]) ++end;
+    if (!runs.empty()) runs += ", ";
+    runs += begin == end ? "layer " + std::to_string(begin) + " holds "
+                         : "layers " + std::to_string(begin) + "-" + std::to_string(end) + " hold ";
+    runs += std::to_string(lengths[begin]);
+    begin = end + 1;
+  }
+  return runs;
+}
+
 /// Checks the fields every variant needs and returns the geometry they describe.
 inline Geometry check_config(std::string_view cache, const KvCacheConfig& c) {
   auto require_positive = [&](const char* field, std::size_t value) {
@@ -93,20 +109,18 @@ inline void check_layer(std::string_view call, std::size_t layer, std::size_t la
   }
 }
 
-/// Validates one update's arguments against the cache's geometry, `length` tokens already in
-/// `layer`, and the most tokens the layer may reach. Messages start "<cache>::update".
-template <class T>
-void check_update(std::string_view cache, const Geometry& g, std::size_t layer, const TensorView<const T>& k,
-                  const TensorView<const T>& v, const Positions& positions, std::size_t length, std::size_t capacity) {
-  const auto call = [&] { return std::string(cache) + "::update"; };  // built only for a message
-  if (layer >= g.layers) check_layer(call(), layer, g.layers);
+/// Checks the shapes of an update's k and v ([batch, kv_heads, T, head_dim], v as k), its
+/// positions count and that its data is there. `call` names the call for messages.
+template <class T, class Call>
+void check_update_shapes(const Call& call, const Geometry& g, std::size_t batch, const TensorView<const T>& k,
+                         const TensorView<const T>& v, const Positions& positions) {
   const auto check_dim = [&](const char* name, const char* dim, std::size_t expected, std::size_t given) {
     if (expected != given) {
       throw std::invalid_argument(expected_given(call() + ": " + name + " " + dim, expected, given) + " (shape " +
                                   (name[0] == 'k' ? k : v).shape().str() + ")");
     }
   };
-  check_dim("k", "batch", g.batch, k.batch());
+  check_dim("k", "batch", batch, k.batch());
   check_dim("k", "kv_heads", g.kv_heads, k.heads());
   check_dim("k", "head_dim", g.head_dim, k.head_dim());
   if (v.shape() != k.shape()) {
@@ -114,10 +128,6 @@ void check_update(std::string_view cache, const Geometry& g, std::size_t layer, 
         expected_given(call() + ": v shape", k.shape().str() + " (the shape of k)", v.shape().str()));
   }
   const std::size_t tokens = k.tokens();
-  if (positions.per_row()) {
-    throw std::invalid_argument(call() + ": positions: expected one list shared by every batch row (this cache's " +
-                                "rows advance together), given a list per row");
-  }
   if (positions.size() != tokens) {
     throw std::invalid_argument(expected_given(call() + ": positions count", "k's tokens " + std::to_string(tokens),
                                                std::to_string(positions.size())));
@@ -126,19 +136,41 @@ void check_update(std::string_view cache, const Geometry& g, std::size_t layer, 
     throw std::invalid_argument(call() + ": k, v and positions data: expected non-null pointers for " +
                                 std::to_string(tokens) + " tokens, given null");
   }
-  for (std::size_t i = 0; i < tokens; ++i) {
+}
+
+/// Checks that `positions` continue `length` tokens of `where()` ("layer 2", "row 5 in layer 2")
+/// and that `capacity` has room for them.
+template <class Call, class Where>
+void check_continues(const Call& call, std::span<const std::int64_t> positions, std::size_t length,
+                     std::size_t capacity, const Where& where) {
+  for (std::size_t i = 0; i < positions.size(); ++i) {
     const auto expected = static_cast<std::int64_t>(length + i);
     if (positions[i] != expected) {
-      throw std::invalid_argument(expected_given(call() + ": positions[" + std::to_string(i) + "]",
-                                                 std::to_string(expected) + " (layer " + std::to_string(layer) +
-                                                     " holds " + std::to_string(length) + " tokens)",
-                                                 std::to_string(positions[i])));
+      throw std::invalid_argument(
+          expected_given(call() + ": positions[" + std::to_string(i) + "]",
+                         std::to_string(expected) + " (" + where() + " holds " + std::to_string(length) + " tokens)",
+                         std::to_string(positions[i])));
     }
   }
-  if (tokens > capacity - length) {
+  if (positions.size() > capacity - length) {
     throw std::length_error(expected_given(call() + ": tokens after update", "<= capacity " + std::to_string(capacity),
-                                           std::to_string(length) + " + " + std::to_string(tokens)));
+                                           std::to_string(length) + " + " + std::to_string(positions.size())));
   }
+}
+
+/// Validates one update's arguments against the cache's geometry, `length` tokens already in
+/// `layer`, and the most tokens the layer may reach. Messages start "<cache>::update".
+template <class T>
+void check_update(std::string_view cache, const Geometry& g, std::size_t layer, const TensorView<const T>& k,
+                  const TensorView<const T>& v, const Positions& positions, std::size_t length, std::size_t capacity) {
+  const auto call = [&] { return std::string(cache) + "::update"; };  // built only for a message
+  if (layer >= g.layers) check_layer(call(), layer, g.layers);
+  check_update_shapes(call, g, g.batch, k, v, positions);
+  if (positions.per_row()) {
+    throw std::invalid_argument(call() + ": positions: expected one list shared by every batch row (this cache's " +
+                                "rows advance together), given a list per row");
+  }
+  check_continues(call, positions.row(0), length, capacity, [&] { return "layer " + std::to_string(layer); });
 }
 
 }  // namespace kvcache::detail

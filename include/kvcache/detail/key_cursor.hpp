@@ -87,7 +87,8 @@ class KeyCursor {
   /// Adds the kept keys among [from, from + n) of segment s.
   void gather(const Segment<T>& s, std::size_t from, std::size_t n, TileKeys<Unit>& tile,
               const KeyBounds& bounds) const noexcept {
-    const std::int64_t* p = s.positions.row(b_).data() + from;
+    const std::size_t r = s.stored_row(b_);
+    const std::int64_t* p = s.positions.row(r).data() + from;
     std::int64_t low = p[0];
     std::int64_t high = p[0];
     bool ascending = true;
@@ -99,8 +100,8 @@ class KeyCursor {
     if (high < bounds.oldest && (low >= bounds.sinks_end || high < 0)) return;  // before every window, no sink
     if (low > bounds.latest) return;
     const bool all = bounds.keeps(low) && bounds.keeps(high) && (low >= bounds.oldest || high < bounds.sinks_end);
-    const Unit* k = s.keys.row(b_, h_, from);
-    const Unit* v = s.values.row(b_, h_, from);
+    const Unit* k = s.keys.row(r, h_, from);
+    const Unit* v = s.values.row(r, h_, from);
     const std::size_t ks = s.keys.strides().tokens;
     const std::size_t vs = s.values.strides().tokens;
     std::size_t t = tile.count;
@@ -109,8 +110,8 @@ class KeyCursor {
       tile.values[t] = v + i * vs;
       tile.positions[t] = p[i];
       if (tile.key_scales != nullptr) {
-        tile.key_scales[t] = *s.key_scales.at(b_, h_, from + i);
-        tile.value_scales[t] = *s.value_scales.at(b_, h_, from + i);
+        tile.key_scales[t] = *s.key_scales.at(r, h_, from + i);
+        tile.value_scales[t] = *s.value_scales.at(r, h_, from + i);
       }
       ++t;
     };

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <span>
 
 #include "kvcache/codec.hpp"
 #include "kvcache/detail/aligned_buffer.hpp"
@@ -46,15 +47,18 @@ class RowStore {
 
   /// Stores tokens [first, first + count) of k and v ([B, H, T, D]) in slots [slot, slot + count),
   /// with the layer's head scales where the format has them (a 0 scale encodes as 1: the head
-  /// has seen only zeros). Returns the values that saturated.
+  /// has seen only zeros). Batch row b of k goes to stored row rows[b] (empty: to row b).
+  /// Returns the values that saturated.
   template <class In>
   std::size_t encode(const TensorView<const In>& k, const TensorView<const In>& v, std::size_t first, std::size_t count,
-                     std::size_t slot, HeadScaleView head_scales = {}) noexcept {
+                     std::size_t slot, HeadScaleView head_scales = {},
+                     std::span<const std::size_t> rows = {}) noexcept {
     std::size_t clipped = 0;
-    for (std::size_t b = 0; b < batch_; ++b) {
+    for (std::size_t b = 0; b < k.batch(); ++b) {
+      const std::size_t stored = rows.empty() ? b : rows[b];
       for (std::size_t h = 0; h < heads_; ++h) {
         for (std::size_t i = 0; i < count; ++i) {
-          const std::size_t at = index(b, h, slot + i);
+          const std::size_t at = index(stored, h, slot + i);
           if constexpr (has_head_scales<T>) {
             const auto scale = [](float s) { return s != 0.0F ? s : 1.0F; };
             clipped += Codec::encode(k.row(b, h, first + i), keys_.data() + at * units_, head_dim_,

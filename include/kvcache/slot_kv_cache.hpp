@@ -1,0 +1,316 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvcache/codec.hpp"
+#include "kvcache/concepts.hpp"
+#include "kvcache/config.hpp"
+#include "kvcache/detail/cache_base.hpp"
+#include "kvcache/detail/checks.hpp"
+#include "kvcache/detail/row_store.hpp"
+#include "kvcache/views.hpp"
+
+namespace kvcache {
+
+/// A cache for continuous batching: `batch` slots, each a row with a length of its own, so a
+/// server admits a request into a free slot while others are mid-generation, and a finished
+/// one's slot is reused. Each slot holds up to `capacity` tokens, preallocated like KvCache,
+/// in any storage format; nothing is padded, stored or attended beyond a row's own length.
+///
+/// An update writes the listed rows, each continuing its own length. Rows that advance by
+/// different counts in one forward pass (one prefilling a chunk while others decode a token)
+/// are separate updates of the same layer, one per group of equal counts, each followed by its
+/// attention call: the returned history holds the listed rows only, in the order listed.
+///
+///   kvcache::SlotKvCache<float> cache({.layers = 28, .batch = 8, .kv_heads = 8, .head_dim = 128, .capacity = 4096});
+///   std::size_t row = cache.acquire();                               // admit a request
+///   auto history = cache.update(layer, k, v, positions, rows);       // k [rows, H_kv, T, D]
+///   kvcache::causal_attention(q, positions, history, out);           // q [rows, H_q, T, D]
+///   cache.release(row);                                              // it finished
+///
+/// Formats with a scale per head (fp8_e4m3) share it across slots: give it in the config, or
+/// each layer's first update sets it.
+template <class T>
+class SlotKvCache : public detail::CacheBase,
+                    public detail::ComputeTypeUpdates<SlotKvCache<T>, T>,
+                    public detail::RowUpdates<SlotKvCache<T>, T> {
+  static_assert(storage_format<T>, "SlotKvCache<T>: T must be a storage format (a type with a storage_codec).");
+
+ public:
+  using value_type = T;
+
+  /// Allocates `batch` slots of `capacity` tokens in every layer, all free; throws
+  /// std::invalid_argument for a zero size or ring fields, std::length_error for a size whose
+  /// bytes overflow std::size_t.
+  explicit SlotKvCache(const KvCacheConfig& config)
+      : CacheBase("SlotKvCache", detail::check_dense_config("SlotKvCache", config)),
+        capacity_(detail::check_footprint("SlotKvCache", geometry(), config.capacity,
+                                          sizeof(typename storage_codec<T>::unit))),
+        positions_(capacity_),
+        every_row_(batch()),
+        lengths_(layers() * batch(), 0),
+        acquired_(batch(), 0),
+        views_(layers()) {
+    std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
+    std::iota(every_row_.begin(), every_row_.end(), std::size_t{0});
+    init_scales<T>(config);
+    rows_.reserve(layers());
+    for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(batch(), kv_heads(), head_dim(), capacity_);
+    for (LayerView& lv : views_) {  // so that an update's view never allocates after writing
+      lv.rows.reserve(batch());
+      lv.row_tokens.reserve(batch());
+    }
+  }
+
+  /// Admits a sequence: the lowest free slot, empty in every layer. std::length_error if every
+  /// slot is in use.
+  [[nodiscard]] std::size_t acquire() {
+    const auto free = std::find(acquired_.begin(), acquired_.end(), 0);
+    if (free == acquired_.end()) {
+      throw std::length_error(detail::expected_given("SlotKvCache::acquire", "a free slot",
+                                                     "all " + std::to_string(batch()) + " slots in use"));
+    }
+    *free = 1;
+    return static_cast<std::size_t>(free - acquired_.begin());
+  }
+
+  /// Finishes the sequence in `row`: forgets its tokens in every layer and frees the slot.
+  /// std::out_of_range for a row past the slots, std::invalid_argument for a free one.
+  void release(std::size_t row) {
+    check_acquired("SlotKvCache::release", "row", row);
+    for (std::size_t l = 0; l < layers(); ++l) lengths_[at(l, row)] = 0;
+    acquired_[row] = 0;
+  }
+
+  /// Whether `row` holds a sequence; std::out_of_range for a row past the slots.
+  [[nodiscard]] bool acquired(std::size_t row) const {
+    check_row("SlotKvCache::acquired", "row", row);
+    return acquired_[row] != 0;
+  }
+  [[nodiscard]] std::size_t slots() const noexcept { return acquired_.size(); }
+  [[nodiscard]] std::size_t free_slots() const noexcept {
+    return static_cast<std::size_t>(std::count(acquired_.begin(), acquired_.end(), 0));
+  }
+
+  // update(layer, k, v, positions, rows), from RowUpdates: writes k, v [rows, H_kv, T, D] in any
+  // compute type the format accepts into the listed rows (acquired, distinct), with positions
+  // per row (or one list, for rows of equal length) continuing each row's own length in that
+  // layer. Returns the listed rows' whole histories, batch row i reading rows[i]. Throws
+  // std::out_of_range (layer, a row past the slots), std::invalid_argument (shapes, positions,
+  // a free or repeated row) or std::length_error (a row's capacity); the cache is unchanged then.
+  using detail::RowUpdates<SlotKvCache<T>, T>::update;
+  // update(layer, k, v, positions), from ComputeTypeUpdates: the protocol's form, for slots
+  // used as one batch: writes every slot (k's batch is the slot count), admitting free ones.
+  using detail::ComputeTypeUpdates<SlotKvCache<T>, T>::update;
+
+  /// Tokens the longest row holds; std::runtime_error if a row's layers disagree.
+  [[nodiscard]] std::size_t length() const {
+    std::size_t longest = 0;
+    for (std::size_t row = 0; row < slots(); ++row) longest = std::max(longest, length(row));
+    return longest;
+  }
+  /// Tokens `row` holds in every layer; std::out_of_range for a row past the slots,
+  /// std::runtime_error naming the layers if they disagree (a forward pass stopped part-way).
+  [[nodiscard]] std::size_t length(std::size_t row) const {
+    check_row("SlotKvCache::length", "row", row);
+    const std::size_t first = layers() == 0 ? 0 : lengths_[at(0, row)];
+    for (std::size_t l = 1; l < layers(); ++l) {
+      if (lengths_[at(l, row)] != first) {
+        throw std::runtime_error("SlotKvCache::length: row " + std::to_string(row) +
+                                 ": layers disagree (a forward pass stopped part-way): expected every layer to hold "
+                                 "the same number of tokens, given " +
+                                 detail::describe_layer_lengths(layer_lengths(row)) +
+                                 "; truncate(row, n) or release(row) repairs it");
+      }
+    }
+    return first;
+  }
+  /// Tokens `row` holds in `layer`; std::out_of_range for either out of range.
+  [[nodiscard]] std::size_t length(std::size_t row, std::size_t layer) const {
+    check_row("SlotKvCache::length", "row", row);
+    if (layer >= layers()) detail::check_layer("SlotKvCache::length", layer, layers());
+    return lengths_[at(layer, row)];
+  }
+
+  /// The most tokens a row may hold.
+  [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
+  /// Bytes allocated for K and V of every slot (and their scales, for formats that have them).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t total = scale_bytes();
+    for (const auto& r : rows_) total += r.bytes();
+    return total;
+  }
+
+  /// Forgets everything after `row`'s first `length` tokens in every layer, copying nothing
+  /// (rollback; repairs a part-way pass). std::out_of_range for a bad row or a layer holding fewer.
+  void truncate(std::size_t row, std::size_t length) {
+    check_row("SlotKvCache::truncate", "row", row);
+    const std::size_t held = min_over_layers(row);
+    if (length > held) {
+      throw std::out_of_range(detail::expected_given("SlotKvCache::truncate: row " + std::to_string(row) + " length",
+                                                     "<= " + std::to_string(held) + " (tokens the row holds)",
+                                                     std::to_string(length)));
+    }
+    for (std::size_t l = 0; l < layers(); ++l) lengths_[at(l, row)] = length;
+  }
+  /// Every row keeps at most its first `length` tokens. std::out_of_range if no row holds that
+  /// many in every layer (what the protocol's truncate refuses on the other variants).
+  void truncate(std::size_t length) {
+    std::size_t held = 0;
+    for (std::size_t row = 0; row < slots(); ++row) held = std::max(held, min_over_layers(row));
+    if (length > held) {
+      throw std::out_of_range(detail::expected_given("SlotKvCache::truncate: length",
+                                                     "<= " + std::to_string(held) + " (tokens the longest row holds)",
+                                                     std::to_string(length)));
+    }
+    for (std::size_t& n : lengths_) n = std::min(n, length);
+  }
+  /// Empties and frees every slot, as constructed (head scales given in the config are kept).
+  void reset() noexcept {
+    std::fill(lengths_.begin(), lengths_.end(), 0);
+    std::fill(acquired_.begin(), acquired_.end(), 0);
+    reset_scales();
+  }
+
+  /// Every slot's history in `layer` as update() returns it, without writing: batch row b reads
+  /// slot b (a free slot, nothing). Valid until the next mutating call on that layer.
+  [[nodiscard]] History<T> history(std::size_t layer) { return history(layer, Rows(every_row_)); }
+  /// The listed rows' histories in `layer`, batch row i reading rows[i]; std::out_of_range for
+  /// a bad layer or row.
+  [[nodiscard]] History<T> history(std::size_t layer, Rows rows) {
+    if (layer >= layers()) detail::check_layer("SlotKvCache::history", layer, layers());
+    for (std::size_t i = 0; i < rows.size(); ++i)
+      check_row("SlotKvCache::history", "rows[" + std::to_string(i) + "]", rows[i]);
+    return view(layer, rows);
+  }
+
+ private:
+  friend class detail::ComputeTypeUpdates<SlotKvCache<T>, T>;
+  friend class detail::RowUpdates<SlotKvCache<T>, T>;
+
+  /// What a layer's last history points at: the rows it reads and how many keys each.
+  struct LayerView {
+    Segment<T> segment;
+    std::vector<std::size_t> rows;
+    std::vector<std::size_t> row_tokens;
+  };
+
+  [[nodiscard]] std::size_t at(std::size_t layer, std::size_t row) const noexcept { return layer * slots() + row; }
+
+  template <class What>
+  void check_row(const char* call, const What& what, std::size_t row) const {
+    if (row >= slots()) {
+      throw std::out_of_range(detail::expected_given(std::string(call) + ": " + what,
+                                                     "a slot < " + std::to_string(slots()), std::to_string(row)));
+    }
+  }
+  template <class What>
+  void check_acquired(const char* call, const What& what, std::size_t row) const {
+    check_row(call, what, row);
+    if (acquired_[row] == 0) {
+      throw std::invalid_argument(detail::expected_given(std::string(call) + ": " + what,
+                                                         "an acquired slot (acquire() admits one)",
+                                                         "slot " + std::to_string(row) + ", which is free"));
+    }
+  }
+
+  [[nodiscard]] std::vector<std::size_t> layer_lengths(std::size_t row) const {
+    std::vector<std::size_t> held(layers());
+    for (std::size_t l = 0; l < layers(); ++l) held[l] = lengths_[at(l, row)];
+    return held;
+  }
+  [[nodiscard]] std::size_t min_over_layers(std::size_t row) const noexcept {
+    std::size_t held = layers() == 0 ? 0 : lengths_[at(0, row)];
+    for (std::size_t l = 1; l < layers(); ++l) held = std::min(held, lengths_[at(l, row)]);
+    return held;
+  }
+
+  template <class In>
+  History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
+                   const Positions& positions) {
+    return write(layer, k, v, positions, Rows(every_row_), true);
+  }
+  template <class In>
+  History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
+                   const Positions& positions, Rows rows) {
+    return write(layer, k, v, positions, rows, false);
+  }
+
+  /// Validates everything, then writes each listed row at its own length. `admit`: free rows
+  /// are acquired (the protocol's form) rather than refused.
+  template <class In>
+  History<T> write(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
+                   const Positions& positions, Rows rows, bool admit) {
+    const auto call = [] { return std::string("SlotKvCache::update"); };
+    if (layer >= layers()) detail::check_layer(call(), layer, layers());
+    detail::check_update_shapes(call, geometry(), rows.size(), k, v, positions);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const auto what = [&] { return "rows[" + std::to_string(i) + "]"; };
+      if (rows[i] >= slots() || (!admit && acquired_[rows[i]] == 0)) {
+        admit ? check_row(call().c_str(), what(), rows[i]) : check_acquired(call().c_str(), what(), rows[i]);
+      }
+      for (std::size_t j = 0; j < i; ++j) {
+        if (rows[j] == rows[i]) {
+          throw std::invalid_argument(
+              detail::expected_given(call() + ": " + what(), "a slot not listed before",
+                                     "slot " + std::to_string(rows[i]) + ", also rows[" + std::to_string(j) + "]"));
+        }
+      }
+      const auto row_call = [&] { return call() + ": " + what() + " (slot " + std::to_string(rows[i]) + ")"; };
+      detail::check_continues(row_call, positions.row(i), lengths_[at(layer, rows[i])], capacity_,
+                              [&] { return "slot " + std::to_string(rows[i]) + " in layer " + std::to_string(layer); });
+    }
+    const auto scales = prepare_update<T>(layer, k, v);
+
+    std::size_t clipped = 0;
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const std::size_t row = rows[i];
+      if (admit) acquired_[row] = 1;
+      const TensorView<const In> k_row(k.row(i, 0, 0), {1, k.heads(), k.tokens(), k.head_dim()}, k.strides());
+      const TensorView<const In> v_row(v.row(i, 0, 0), {1, v.heads(), v.tokens(), v.head_dim()}, v.strides());
+      std::size_t& length = lengths_[at(layer, row)];
+      clipped += rows_[layer].encode(k_row, v_row, 0, k.tokens(), length, head_scale_view(scales),
+                                     std::span<const std::size_t>(rows.data() + i, 1));
+      length += k.tokens();
+    }
+    commit_update(layer, scales, clipped);
+    return view(layer, rows);
+  }
+
+  /// The history of `rows` in `layer`: one segment over the layer's slots, each batch row
+  /// reading its slot's first keys.
+  History<T> view(std::size_t layer, Rows rows) {
+    LayerView& lv = views_[layer];
+    lv.rows.assign(rows.begin(), rows.end());
+    lv.row_tokens.resize(rows.size());
+    std::size_t longest = 0;
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      lv.row_tokens[i] = lengths_[at(layer, rows[i])];
+      longest = std::max(longest, lv.row_tokens[i]);
+    }
+    lv.segment = rows_[layer].segment(0, longest, Positions(positions_.data(), longest), head_scale_view(layer));
+    lv.segment.rows = lv.rows;
+    lv.segment.row_tokens = lv.row_tokens;
+    return {std::span<const Segment<T>>(&lv.segment, 1)};
+  }
+
+  std::size_t capacity_;
+  std::vector<detail::RowStore<T>> rows_;  // per layer, [slots, H_kv, capacity, D]
+  std::vector<std::int64_t> positions_;    // 0, 1, ..., capacity - 1: every row's key positions
+  std::vector<std::size_t> every_row_;     // 0, 1, ..., slots - 1
+  std::vector<std::size_t> lengths_;       // [layer, slot]
+  std::vector<unsigned char> acquired_;    // per slot
+  std::vector<LayerView> views_;           // per layer, what the last update returned
+};
+
+static_assert(row_cache_protocol<SlotKvCache<float>>);
+
+}  // namespace kvcache
