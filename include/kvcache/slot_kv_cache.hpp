@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
@@ -57,10 +58,11 @@ class SlotKvCache : public detail::CacheBase,
         positions_(capacity_),
         every_row_(batch()),
         lengths_(layers() * batch(), 0),
-        acquired_(batch(), 0),
+        acquired_(batch()),
         views_(layers()) {
     std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
     std::iota(every_row_.begin(), every_row_.end(), std::size_t{0});
+    std::fill(acquired_.begin(), acquired_.end(), 0);
     init_scales<T>(config);
     rows_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(batch(), kv_heads(), head_dim(), capacity_);
@@ -93,7 +95,7 @@ class SlotKvCache : public detail::CacheBase,
   /// Whether `row` holds a sequence; std::out_of_range for a row past the slots.
   [[nodiscard]] bool acquired(std::size_t row) const {
     check_row("SlotKvCache::acquired", "row", row);
-    return acquired_[row] != 0;
+    return in_use(row);
   }
   [[nodiscard]] std::size_t slots() const noexcept { return acquired_.size(); }
   [[nodiscard]] std::size_t free_slots() const noexcept {
@@ -215,12 +217,14 @@ class SlotKvCache : public detail::CacheBase,
   template <class What>
   void check_acquired(const char* call, const What& what, std::size_t row) const {
     check_row(call, what, row);
-    if (acquired_[row] == 0) {
+    if (!in_use(row)) {
       throw std::invalid_argument(detail::expected_given(std::string(call) + ": " + what,
                                                          "an acquired slot (acquire() admits one)",
                                                          "slot " + std::to_string(row) + ", which is free"));
     }
   }
+
+  [[nodiscard]] bool in_use(std::size_t row) const noexcept { return acquired_[row] != 0; }
 
   [[nodiscard]] std::vector<std::size_t> layer_lengths(std::size_t row) const {
     std::vector<std::size_t> held(layers());
@@ -254,7 +258,7 @@ class SlotKvCache : public detail::CacheBase,
     detail::check_update_shapes(call, geometry(), rows.size(), k, v, positions);
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const auto what = [&] { return "rows[" + std::to_string(i) + "]"; };
-      if (rows[i] >= slots() || (!admit && acquired_[rows[i]] == 0)) {
+      if (rows[i] >= slots() || (!admit && !in_use(rows[i]))) {
         admit ? check_row(call().c_str(), what(), rows[i]) : check_acquired(call().c_str(), what(), rows[i]);
       }
       for (std::size_t j = 0; j < i; ++j) {
@@ -273,7 +277,7 @@ class SlotKvCache : public detail::CacheBase,
     std::size_t clipped = 0;
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const std::size_t row = rows[i];
-      if (admit) acquired_[row] = 1;
+      if (admit && !in_use(row)) acquired_[row] = 1;
       const TensorView<const In> k_row(k.row(i, 0, 0), {1, k.heads(), k.tokens(), k.head_dim()}, k.strides());
       const TensorView<const In> v_row(v.row(i, 0, 0), {1, v.heads(), v.tokens(), v.head_dim()}, v.strides());
       std::size_t& length = lengths_[at(layer, row)];
@@ -307,8 +311,10 @@ class SlotKvCache : public detail::CacheBase,
   std::vector<std::int64_t> positions_;    // 0, 1, ..., capacity - 1: every row's key positions
   std::vector<std::size_t> every_row_;     // 0, 1, ..., slots - 1
   std::vector<std::size_t> lengths_;       // [layer, slot]
-  std::vector<unsigned char> acquired_;    // per slot
-  std::vector<LayerView> views_;           // per layer, what the last update returned
+  // Per slot. Atomic: the protocol's update admits free slots, and updates of distinct layers
+  // may run on different threads.
+  std::vector<std::atomic<unsigned char>> acquired_;
+  std::vector<LayerView> views_;  // per layer, what the last update returned
 };
 
 static_assert(row_cache_protocol<SlotKvCache<float>>);
