@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -49,7 +50,9 @@ class CacheBase {
 
   /// Values that saturated on their way into a format with head scales (fp8_e4m3: beyond 448
   /// times the head's scale), counted since construction; 0 for every other format.
-  [[nodiscard]] std::size_t clipped() const noexcept { return clipped_; }
+  [[nodiscard]] std::size_t clipped() const noexcept {
+    return std::accumulate(clipped_.begin(), clipped_.end(), std::size_t{0});
+  }
   /// The K (or V) scale of every (layer, kv head), layer-major, for formats with head scales
   /// (0 where a head has seen no update yet); empty for other formats.
   [[nodiscard]] std::vector<float> head_scales(bool values) const {
@@ -137,7 +140,7 @@ class CacheBase {
       std::copy(used.keys.begin(), used.keys.end(), scales_[layer].keys.begin());
       std::copy(used.values.begin(), used.values.end(), scales_[layer].values.begin());
     }
-    clipped_ += clipped;
+    clipped_[layer] += clipped;
   }
 
   /// A layer's head scales as segments read them (null for formats without).
@@ -164,7 +167,7 @@ class CacheBase {
   }
 
   CacheBase(std::string_view name, const Geometry& geometry)
-      : name_(name), geometry_(geometry), lengths_(geometry.layers, 0) {}
+      : name_(name), geometry_(geometry), lengths_(geometry.layers, 0), clipped_(geometry.layers, 0) {}
   // A moved-from cache holds no layers: length() is 0, update() and length(layer) throw
   // std::out_of_range, truncate(0) and reset() do nothing, bytes() is 0; assigning to it works.
   CacheBase(CacheBase&& other) noexcept
@@ -173,7 +176,7 @@ class CacheBase {
         lengths_(std::move(other.lengths_)),
         scales_(std::move(other.scales_)),
         scales_given_(other.scales_given_),
-        clipped_(other.clipped_) {
+        clipped_(std::move(other.clipped_)) {
     other.forget_layers();
   }
   CacheBase& operator=(CacheBase&& other) noexcept {
@@ -183,7 +186,7 @@ class CacheBase {
       lengths_ = std::move(other.lengths_);
       scales_ = std::move(other.scales_);
       scales_given_ = other.scales_given_;
-      clipped_ = other.clipped_;
+      clipped_ = std::move(other.clipped_);
       other.forget_layers();
     }
     return *this;
@@ -221,6 +224,7 @@ class CacheBase {
     geometry_.layers = 0;
     lengths_.clear();
     scales_.clear();
+    clipped_.clear();
   }
 
   /// Checks every value of k (or v) where format T refuses some, and finds each head's largest
@@ -264,7 +268,7 @@ class CacheBase {
   std::vector<std::size_t> lengths_;
   std::vector<LayerScales> scales_;  // per layer, for formats with head scales
   bool scales_given_ = false;
-  std::size_t clipped_ = 0;
+  std::vector<std::size_t> clipped_;  // per layer, so that updates of distinct layers write apart
 };
 
 /// update() for every compute type a format accepts, as plain overloads (not a template), so
