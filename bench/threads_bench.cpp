@@ -8,6 +8,9 @@
 // which should be as fast as the faster of `threads:1` and `threads:2` at every size. Compare
 // rows of the same run: the machine is shared.
 //
+// DecodeLayersAfterWideCall rows are DecodeLayers after one call that asked for 64 threads over a
+// long history: the kept pool must not make later narrow calls pay for the threads it asked for.
+//
 //   ./threads_bench
 //   KVCACHE_BENCH_SMOKE=1 ./threads_bench --benchmark_min_time=0.001   # tiny cases only
 
@@ -78,6 +81,27 @@ void BM_DecodeLayers(benchmark::State& state) {
   state.counters["layers"] = static_cast<double>(layers);
 }
 
+/// One call asking for 64 threads, over enough keys for as many work items.
+void wide_call() {
+  constexpr std::size_t kTokens = 64 * 512 / kKvHeads;
+  kvcache::KvCache<float> cache({.layers = 1, .kv_heads = kKvHeads, .head_dim = kHeadDim, .capacity = kTokens});
+  const std::vector<float> rows(kKvHeads * kTokens * kHeadDim, 0.25F);
+  const kvcache::TensorView<const float> kv(rows.data(), {1, kKvHeads, kTokens, kHeadDim});
+  const auto history = cache.update(0, kv, kv, kvcache::next_positions(0, kTokens));
+  std::vector<float> q(kQueryHeads * kHeadDim, 0.1F);
+  std::vector<float> out(q.size());
+  const kvcache::Shape shape{1, kQueryHeads, 1, kHeadDim};
+  const std::int64_t position = kTokens - 1;
+  kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), position, history,
+                            kvcache::TensorView<float>(out.data(), shape), {.threads = 64});
+}
+
+template <class T>
+void BM_DecodeLayersAfterWideCall(benchmark::State& state) {
+  wide_call();
+  BM_DecodeLayers<T>(state);
+}
+
 void register_all() {
   const bool tiny = kvcache::bench::smoke_mode();
   const std::vector<std::int64_t> lengths =
@@ -95,6 +119,14 @@ void register_all() {
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
     }
+  }
+  // Last: with a pool that kept every thread asked for, the wide call would slow the rows after it.
+  for (std::int64_t threads : {1, 2}) {
+    benchmark::RegisterBenchmark("DecodeLayersAfterWideCall<float>", BM_DecodeLayersAfterWideCall<float>)
+        ->ArgNames({"S", "threads"})
+        ->Args({tiny ? 64 : 256, threads})
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
   }
 }
 
