@@ -6,7 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -262,6 +264,112 @@ TYPED_TEST(Slots, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
     EXPECT_EQ(cache.free_slots(), 2U);
     EXPECT_TRUE(cache.acquired(0) && cache.acquired(1));
     this->expect_rows_hold_what_was_fed(cache);
+  }
+}
+
+// ---- seeded random operation sequences against a trivial reference --------------------------
+
+TYPED_TEST(Slots, RandomOperationSequencesMatchTheReference) {
+  using Cache = TypeParam;
+  using Stored = typename Cache::value_type;
+  using E = typename TestFixture::In;
+  constexpr std::size_t L = TestFixture::layers, S = TestFixture::slots, H = TestFixture::kv_heads,
+                        D = TestFixture::head_dim, C = TestFixture::capacity;
+  std::mt19937_64 rng(20261204);
+  const auto pick = [&](std::size_t lo, std::size_t hi) {
+    return std::uniform_int_distribution<std::size_t>(lo, hi)(rng);
+  };
+
+  for (int sequence = 0; sequence < 40; ++sequence) {
+    SCOPED_TRACE("sequence " + std::to_string(sequence));
+    Cache cache = this->make();
+    // The reference: what each (layer, slot) holds by position, and which S are in use.
+    std::map<std::int64_t, Row> held[L][S];
+    std::vector<bool> in_use(S, false);
+    const auto length_of = [&](std::size_t layer, std::size_t row) { return held[layer][row].size(); };
+
+    for (int op = 0; op < 40; ++op) {
+      const std::size_t kind = pick(0, 9);
+      if (kind <= 1) {  // admit
+        const auto free = std::find(in_use.begin(), in_use.end(), false);
+        if (free == in_use.end()) {
+          ASSERT_THROW((void)cache.acquire(), std::length_error);
+        } else {
+          ASSERT_EQ(cache.acquire(), static_cast<std::size_t>(free - in_use.begin()));
+          *free = true;
+        }
+      } else if (kind == 2) {  // finish
+        const std::size_t row = pick(0, S - 1);
+        if (in_use[row]) {
+          cache.release(row);
+          in_use[row] = false;
+          for (auto& layer : held) layer[row].clear();
+        } else {
+          ASSERT_THROW(cache.release(row), std::invalid_argument);
+        }
+      } else if (kind <= 6) {  // a group of acquired rows advancing by one count, maybe part-way
+        std::vector<std::size_t> rows;
+        for (std::size_t r = 0; r < S; ++r)
+          if (in_use[r] && pick(0, 2) != 0) rows.push_back(r);
+        std::shuffle(rows.begin(), rows.end(), rng);
+        const std::size_t tokens = pick(0, 2) == 0 ? pick(2, 5) : 1;
+        const std::size_t stop = pick(0, 4) == 0 ? pick(1, L) : L;
+        bool fits = true;
+        for (const std::size_t r : rows) {
+          for (std::size_t l = 0; l < L; ++l) fits = fits && length_of(l, r) == length_of(0, r);
+          fits = fits && length_of(0, r) + tokens <= C;
+        }
+        if (!fits) continue;
+        for (std::size_t layer = 0; layer < stop; ++layer) {
+          const Block<E> k({rows.size(), H, tokens, D}, rng()), v({rows.size(), H, tokens, D}, rng());
+          std::vector<std::int64_t> positions;
+          for (const std::size_t r : rows) {
+            const auto p = arange(length_of(layer, r), tokens);
+            positions.insert(positions.end(), p.begin(), p.end());
+          }
+          const auto history =
+              cache.update(layer, k.view(), v.view(), Positions(positions.data(), tokens, tokens), rows);
+          for (std::size_t i = 0; i < rows.size(); ++i) {
+            const TensorView<const E> ki(k.view().row(i, 0, 0), {1, H, tokens, D}, k.view().strides());
+            const TensorView<const E> vi(v.view().row(i, 0, 0), {1, H, tokens, D}, v.view().strides());
+            for (std::size_t t = 0; t < tokens; ++t)
+              held[layer][rows[i]][positions[i * tokens + t]] = row_of<Stored>(ki, vi, t);
+            ASSERT_EQ(history.segments[0].tokens(i), length_of(layer, rows[i]));
+          }
+        }
+      } else if (kind == 7) {  // roll a row back, valid or not
+        const std::size_t row = pick(0, S - 1);
+        std::size_t common = C;
+        for (std::size_t l = 0; l < L; ++l) common = std::min(common, length_of(l, row));
+        const std::size_t n = pick(0, common + 1);
+        if (n > common) {
+          ASSERT_THROW(cache.truncate(row, n), std::out_of_range);
+        } else {
+          cache.truncate(row, n);
+          for (auto& layer : held)
+            layer[row].erase(layer[row].lower_bound(static_cast<std::int64_t>(n)), layer[row].end());
+        }
+      } else if (kind == 8) {  // a bad update: a free row, or positions that do not continue
+        const std::size_t row = pick(0, S - 1);
+        const std::size_t layer = pick(0, L - 1);
+        const Block<E> k({1, H, 1, D}, rng());
+        const auto at = static_cast<std::int64_t>(length_of(layer, row) + (in_use[row] ? 1 : 0));
+        ASSERT_THROW(cache.update(layer, k.view(), k.view(), Positions(at), row), std::invalid_argument);
+      } else if (pick(0, 3) == 0) {
+        cache.reset();
+        std::fill(in_use.begin(), in_use.end(), false);
+        for (auto& layer : held)
+          for (auto& row : layer) row.clear();
+      }
+      // Every row of every layer holds exactly the reference's tokens, and nothing else.
+      for (std::size_t row = 0; row < S; ++row) {
+        ASSERT_EQ(cache.acquired(row), in_use[row]) << "row " << row;
+        for (std::size_t layer = 0; layer < L; ++layer) {
+          ASSERT_EQ(cache.length(row, layer), length_of(layer, row)) << "layer " << layer << " row " << row;
+          ASSERT_EQ(flatten(cache.history(layer, row)), held[layer][row]) << "layer " << layer << " row " << row;
+        }
+      }
+    }
   }
 }
 

@@ -292,6 +292,7 @@ class SlotKvCache : public detail::CacheBase,
   /// The history of `rows` in `layer`: one segment over the layer's slots, each batch row
   /// reading its slot's first keys.
   History<T> view(std::size_t layer, Rows rows) {
+    if (rows.empty()) return {};  // no batch row (an empty list of rows would read them all)
     LayerView& lv = views_[layer];
     lv.rows.assign(rows.begin(), rows.end());
     lv.row_tokens.resize(rows.size());

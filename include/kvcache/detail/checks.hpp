@@ -132,7 +132,7 @@ void check_update_shapes(const Call& call, const Geometry& g, std::size_t batch,
     throw std::invalid_argument(expected_given(call() + ": positions count", "k's tokens " + std::to_string(tokens),
                                                std::to_string(positions.size())));
   }
-  if (tokens != 0 && (k.data() == nullptr || v.data() == nullptr || positions.data() == nullptr)) {
+  if (k.shape().size() != 0 && (k.data() == nullptr || v.data() == nullptr || positions.data() == nullptr)) {
     throw std::invalid_argument(call() + ": k, v and positions data: expected non-null pointers for " +
                                 std::to_string(tokens) + " tokens, given null");
   }
