@@ -28,6 +28,7 @@
 #include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
 #include "kvcache/slot_kv_cache.hpp"
+#include "pooled_sequence.hpp"
 
 namespace kvcache::testing {
 
@@ -39,6 +40,14 @@ template <class Cache>
 inline constexpr bool is_slot = false;
 template <class T>
 inline constexpr bool is_slot<SlotKvCache<T>> = true;
+template <class Cache>
+inline constexpr bool is_paged = false;
+template <class T>
+inline constexpr bool is_paged<PooledSequence<T>> = true;
+
+/// The batch rows the suites give a variant: a paged sequence is one row.
+template <class Cache>
+inline constexpr std::size_t batch_of = is_paged<Cache> ? 1 : 2;
 
 /// Tokens `layer` holds: every row's, for the caches whose rows advance together; the longest
 /// row's, for a slot cache (whose length(n) is a row's).
@@ -55,15 +64,15 @@ std::size_t layer_length(const Cache& cache, std::size_t layer) {
 }
 
 /// Every variant over every storage format: the protocol's typed suites run over all of them.
-using AllCaches =
-    ::testing::Types<KvCache<float>, KvCache<double>, KvCache<Eigen::half>, KvCache<Eigen::bfloat16>, KvCache<fp8_e4m3>,
-                     KvCache<int8_rows>, KvCache<int4_groups>, ConcatKvCache<float>, ConcatKvCache<double>,
-                     ConcatKvCache<Eigen::half>, ConcatKvCache<Eigen::bfloat16>, ConcatKvCache<fp8_e4m3>,
-                     ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, RingKvCache<float>, RingKvCache<double>,
-                     RingKvCache<Eigen::half>, RingKvCache<Eigen::bfloat16>, RingKvCache<fp8_e4m3>,
-                     RingKvCache<int8_rows>, RingKvCache<int4_groups>, SlotKvCache<float>, SlotKvCache<double>,
-                     SlotKvCache<Eigen::half>, SlotKvCache<Eigen::bfloat16>, SlotKvCache<fp8_e4m3>,
-                     SlotKvCache<int8_rows>, SlotKvCache<int4_groups>>;
+using AllCaches = ::testing::Types<
+    KvCache<float>, KvCache<double>, KvCache<Eigen::half>, KvCache<Eigen::bfloat16>, KvCache<fp8_e4m3>,
+    KvCache<int8_rows>, KvCache<int4_groups>, ConcatKvCache<float>, ConcatKvCache<double>, ConcatKvCache<Eigen::half>,
+    ConcatKvCache<Eigen::bfloat16>, ConcatKvCache<fp8_e4m3>, ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>,
+    RingKvCache<float>, RingKvCache<double>, RingKvCache<Eigen::half>, RingKvCache<Eigen::bfloat16>,
+    RingKvCache<fp8_e4m3>, RingKvCache<int8_rows>, RingKvCache<int4_groups>, SlotKvCache<float>, SlotKvCache<double>,
+    SlotKvCache<Eigen::half>, SlotKvCache<Eigen::bfloat16>, SlotKvCache<fp8_e4m3>, SlotKvCache<int8_rows>,
+    SlotKvCache<int4_groups>, PooledSequence<float>, PooledSequence<double>, PooledSequence<Eigen::half>,
+    PooledSequence<Eigen::bfloat16>, PooledSequence<fp8_e4m3>, PooledSequence<int8_rows>, PooledSequence<int4_groups>>;
 
 /// What the suites feed a cache storing T: T itself where it is a compute type, else float.
 template <class T>
@@ -92,6 +101,7 @@ struct CacheName {
     using T = typename Cache::value_type;
     std::string variant = is_ring<Cache>                            ? "Ring"
                           : is_slot<Cache>                          ? "Slot"
+                          : is_paged<Cache>                         ? "Paged"
                           : std::is_same_v<Cache, ConcatKvCache<T>> ? "Concat"
                                                                     : "Dense";
     return variant + "_" + storage_codec<T>::name;

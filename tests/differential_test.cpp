@@ -33,7 +33,7 @@ struct ReferenceLayer {
 TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
   using Cache = TypeParam;
   using T = typename Cache::value_type;
-  constexpr std::size_t layers = 3, batch = 2, kv_heads = 2, head_dim = 3, capacity = 64;
+  constexpr std::size_t layers = 3, batch = batch_of<Cache>, kv_heads = 2, head_dim = 3, capacity = 64;
   constexpr int sequences = 150, operations = 40;
 
   std::mt19937_64 rng(20261130);

@@ -23,6 +23,7 @@ static_assert(kv_cache_protocol<ConcatKvCache<Eigen::half>>);
 static_assert(kv_cache_protocol<RingKvCache<double>>);
 static_assert(row_cache_protocol<SlotKvCache<int8_rows>>);
 static_assert(!row_cache_protocol<KvCache<float>>);
+static_assert(kv_cache_protocol<PagedKvCache<int4_groups>>);
 static_assert(std::is_trivially_copyable_v<TensorView<const float>>);
 static_assert(std::is_trivially_copyable_v<History<float>>);
 
@@ -31,7 +32,7 @@ class Protocol : public ::testing::Test {
  protected:
   using T = typename Cache::value_type;
   using In = input_t<T>;  // what the engine hands in
-  static constexpr std::size_t layers = 3, batch = 2, kv_heads = 2, head_dim = 4, capacity = 16;
+  static constexpr std::size_t layers = 3, batch = batch_of<Cache>, kv_heads = 2, head_dim = 4, capacity = 16;
 
   // A ring whose window covers the whole capacity behaves like the dense caches here; the
   // ring's own behaviour past its window is checked in ring_kv_cache_test and differential_test.
@@ -225,9 +226,9 @@ TYPED_TEST(Protocol, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
        Throws::out_of_range,
        {"layer", "expected < 3", "given 3"}},
       {"batch",
-       update_with(0, {1, H, 1, D}, {1, H, 1, D}, at5),
+       update_with(0, {B + 1, H, 1, D}, {B + 1, H, 1, D}, at5),
        Throws::invalid_argument,
-       {"batch", "expected 2", "given 1"}},
+       {"batch", "expected " + std::to_string(B), "given " + std::to_string(B + 1)}},
       {"kv_heads",
        update_with(0, {B, 3, 1, D}, {B, 3, 1, D}, at5),
        Throws::invalid_argument,
@@ -239,11 +240,11 @@ TYPED_TEST(Protocol, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
       {"v tokens",
        update_with(0, {B, H, 1, D}, {B, H, 2, D}, at5),
        Throws::invalid_argument,
-       {"v shape", "[2, 2, 1, 4]", "given [2, 2, 2, 4]"}},
+       {"v shape", "[" + std::to_string(B) + ", 2, 1, 4]", "given [" + std::to_string(B) + ", 2, 2, 4]"}},
       {"v head_dim",
        update_with(0, {B, H, 1, D}, {B, H, 1, 3}, at5),
        Throws::invalid_argument,
-       {"v shape", "[2, 2, 1, 4]", "given [2, 2, 1, 3]"}},
+       {"v shape", "[" + std::to_string(B) + ", 2, 1, 4]", "given [" + std::to_string(B) + ", 2, 1, 3]"}},
       {"positions count",
        update_with(0, {B, H, 1, D}, {B, H, 1, D}, arange(5, 2)),
        Throws::invalid_argument,
@@ -357,7 +358,7 @@ TYPED_TEST(Protocol, AMovedFromCacheHoldsNoLayersAndCanBeAssignedAgain) {
 template <class Cache, class In>
 void expect_input_type_rounded_once_and_checked() {
   using T = typename Cache::value_type;
-  constexpr std::size_t B = 2, H = 2, D = 4, N = 5;
+  constexpr std::size_t B = batch_of<Cache>, H = 2, D = 4, N = 5;
   const Block<In> k({B, H, N, D}, 31);
   const Block<In> v({B, H, N, D}, 32);
   std::map<std::int64_t, Row> expected;

@@ -230,7 +230,7 @@ TYPED_TEST_SUITE(QuantizedCaches, QuantizedCacheTypes, CacheName);
 TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTheCacheUnchanged) {
   using Cache = TypeParam;
   using T = typename Cache::value_type;
-  constexpr std::size_t B = 2, H = 2, D = 40;
+  constexpr std::size_t B = batch_of<Cache>, H = 2, D = 40;
   KvCacheConfig config{.layers = 2, .batch = B, .kv_heads = H, .head_dim = D, .capacity = 32};
   if constexpr (is_ring<Cache>) config.window = 8;
   // Scales from the first update: a refused first update must not set them either.

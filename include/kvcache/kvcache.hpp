@@ -9,6 +9,7 @@
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
 #include "kvcache/kv_cache.hpp"
+#include "kvcache/paged_kv_cache.hpp"
 #include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
 #include "kvcache/size.hpp"

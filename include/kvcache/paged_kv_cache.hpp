@@ -1,0 +1,505 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <list>
+#include <numeric>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "kvcache/codec.hpp"
+#include "kvcache/concepts.hpp"
+#include "kvcache/config.hpp"
+#include "kvcache/detail/cache_base.hpp"
+#include "kvcache/detail/checks.hpp"
+#include "kvcache/detail/row_store.hpp"
+#include "kvcache/views.hpp"
+
+namespace kvcache {
+
+/// How a BlockPool is sized, with designated initializers:
+///
+///   kvcache::BlockPool<Eigen::bfloat16> pool({.layers = 28, .kv_heads = 8, .head_dim = 128, .blocks = 4096});
+///
+/// `blocks` blocks of `block_tokens` tokens each, in every layer. `capacity` is the most tokens
+/// one sequence may reach (0: every block's worth). Scales as KvCacheConfig's, shared by every
+/// sequence of the pool.
+struct BlockPoolConfig {
+  Count<"layers"> layers = 0;
+  Count<"kv_heads"> kv_heads = 0;
+  Count<"head_dim"> head_dim = 0;
+  Count<"block_tokens"> block_tokens = 16;
+  Count<"blocks"> blocks = 0;
+  Count<"capacity"> capacity = 0;
+  std::span<const float> key_scales{};
+  std::span<const float> value_scales{};
+};
+
+/// A token id, for prefix reuse.
+using TokenId = std::int32_t;
+
+template <class T>
+class PagedKvCache;
+
+/// A fixed pool of blocks of K and V shared by PagedKvCache sequences: a block holds
+/// `block_tokens` consecutive tokens of one sequence in every layer, stored in format T.
+/// Sequences take blocks as they grow and give them back when truncated, reset or destroyed;
+/// `fork` shares them (reference counts) and copies a shared partial block before writing it.
+/// Full blocks whose token ids are known are keyed by a hash chain of those ids, so a new
+/// sequence with the same prompt prefix takes them instead of recomputing (`reuse_prefix`).
+/// Freed blocks keep their keys and are reused in least-recently-freed order when the pool
+/// needs room (blocks never keyed first).
+///
+/// A pool and its sequences are driven from one thread at a time (distinct layers of one
+/// sequence may be updated concurrently only while no other sequence of the pool is written).
+/// The pool must outlive its sequences.
+template <class T>
+class BlockPool : private detail::CacheBase {
+  static_assert(storage_format<T>, "BlockPool<T>: T must be a storage format (a type with a storage_codec).");
+
+ public:
+  using value_type = T;
+
+  /// Allocates every block; std::invalid_argument for a zero size, std::length_error for a size
+  /// whose bytes overflow std::size_t.
+  explicit BlockPool(const BlockPoolConfig& config)
+      : CacheBase("BlockPool", geometry_of(config)),
+        block_tokens_(config.block_tokens),
+        blocks_(config.blocks),
+        capacity_(config.capacity),
+        meta_(blocks_) {
+    if (config.block_tokens > std::numeric_limits<std::size_t>::max() / blocks_) {
+      throw std::length_error("BlockPool: config.blocks x block_tokens: expected to fit in std::size_t, given " +
+                              std::to_string(blocks_) + " x " + std::to_string(block_tokens_));
+    }
+    (void)detail::check_footprint("BlockPool", geometry(), blocks_ * block_tokens_,
+                                  sizeof(typename storage_codec<T>::unit));
+    KvCacheConfig scales{.layers = config.layers, .kv_heads = config.kv_heads, .head_dim = config.head_dim};
+    scales.key_scales = config.key_scales;
+    scales.value_scales = config.value_scales;
+    init_scales<T>(scales);
+    if (capacity_ == 0) capacity_ = blocks_ * block_tokens_;
+    positions_.resize(capacity_);
+    std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
+    rows_.reserve(layers());
+    for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(blocks_, kv_heads(), head_dim(), block_tokens_);
+    for (std::size_t b = 0; b < blocks_; ++b) meta_[b].free_at = free_.insert(free_.end(), b);
+  }
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  using CacheBase::clipped;
+  using CacheBase::head_dim;
+  using CacheBase::head_scales;
+  using CacheBase::kv_heads;
+  using CacheBase::layers;
+
+  [[nodiscard]] std::size_t block_tokens() const noexcept { return block_tokens_; }
+  [[nodiscard]] std::size_t blocks() const noexcept { return blocks_; }
+  /// Blocks no sequence holds (some may still be keyed for reuse).
+  [[nodiscard]] std::size_t free_blocks() const noexcept { return free_.size(); }
+  /// Blocks keyed by their token ids, held or free.
+  [[nodiscard]] std::size_t keyed_blocks() const noexcept { return keyed_.size(); }
+  /// The most tokens one sequence may reach.
+  [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
+  /// Bytes of every block's K and V (and scales).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t total = scale_bytes();
+    for (const auto& r : rows_) total += r.bytes();
+    return total;
+  }
+  /// Bytes of one block in every layer.
+  [[nodiscard]] std::size_t block_bytes() const noexcept {
+    return blocks_ == 0 ? 0 : (bytes() - scale_bytes()) / blocks_;
+  }
+
+  /// Checks the pool's bookkeeping against its sequences' block tables; std::logic_error
+  /// naming the first inconsistency: free + held = total; each block's count equals the tables
+  /// that hold it; no block twice in the free list, none there held; every key maps to a block
+  /// keyed by it, whose ids hash to it from its parent's key.
+  void check_invariants() const {
+    const auto fail = [](const std::string& what) { throw std::logic_error("BlockPool::check_invariants: " + what); };
+    std::vector<std::size_t> held(blocks_, 0);
+    for (const PagedKvCache<T>* s : sequences_) {
+      for (const std::size_t b : s->table_) {
+        if (b >= blocks_) fail("a table holds block " + std::to_string(b) + " of " + std::to_string(blocks_));
+        ++held[b];
+      }
+    }
+    std::vector<char> listed(blocks_, 0);
+    for (const std::size_t b : free_) {
+      if (listed[b] != 0) fail("block " + std::to_string(b) + " is twice in the free list");
+      listed[b] = 1;
+    }
+    std::size_t used = 0;
+    for (std::size_t b = 0; b < blocks_; ++b) {
+      const Meta& m = meta_[b];
+      if (m.count != held[b]) {
+        fail("block " + std::to_string(b) + " counts " + std::to_string(m.count) + " holders, tables hold it " +
+             std::to_string(held[b]) + " times");
+      }
+      if ((m.count == 0) != (listed[b] != 0)) {
+        fail("block " + std::to_string(b) + " with " + std::to_string(m.count) + " holders is " +
+             (listed[b] != 0 ? "" : "not ") + "in the free list");
+      }
+      if (m.count != 0) ++used;
+      if (m.keyed) {
+        const auto it = keyed_.find(m.key);
+        if (it == keyed_.end() || it->second != b)
+          fail("block " + std::to_string(b) + " is keyed but not found by its key");
+        if (chain_key(m.parent, m.ids) != m.key) fail("block " + std::to_string(b) + "'s ids do not hash to its key");
+      }
+    }
+    if (used + free_.size() != blocks_) {
+      fail("held " + std::to_string(used) + " + free " + std::to_string(free_.size()) + " != total " +
+           std::to_string(blocks_));
+    }
+    for (const auto& [key, b] : keyed_) {
+      if (!meta_[b].keyed || meta_[b].key != key) fail("key of block " + std::to_string(b) + " is stale");
+    }
+  }
+
+ private:
+  friend class PagedKvCache<T>;
+
+  struct Meta {
+    std::size_t count = 0;  // tables holding the block
+    bool keyed = false;     // in keyed_ under `key`
+    std::uint64_t key = 0;
+    std::uint64_t parent = 0;
+    std::vector<TokenId> ids;                  // the block's token ids, when keyed
+    std::list<std::size_t>::iterator free_at;  // its place in free_, when count == 0
+  };
+
+  static detail::Geometry geometry_of(const BlockPoolConfig& c) {
+    KvCacheConfig k{.layers = c.layers, .batch = 1, .kv_heads = c.kv_heads, .head_dim = c.head_dim};
+    const detail::Geometry g = detail::check_config("BlockPool", k);
+    if (c.block_tokens == 0) throw std::invalid_argument("BlockPool: config.block_tokens: expected > 0, given 0");
+    if (c.blocks == 0) throw std::invalid_argument("BlockPool: config.blocks: expected > 0, given 0");
+    return g;
+  }
+
+  /// The key of a full block of `ids` after the block keyed `parent` (0 for the first).
+  static std::uint64_t chain_key(std::uint64_t parent, std::span<const TokenId> ids) noexcept {
+    std::uint64_t h = parent ^ 0x9E3779B97F4A7C15ULL;
+    const auto mix = [&](std::uint64_t x) {
+      h ^= x + 0x9E3779B97F4A7C15ULL + (h << 6) + (h >> 2);
+      h *= 0xBF58476D1CE4E5B9ULL;
+      h ^= h >> 31;
+    };
+    for (const TokenId id : ids) mix(static_cast<std::uint32_t>(id));
+    mix(ids.size());
+    return h == 0 ? 1 : h;  // 0 is the empty chain's key
+  }
+
+  /// Takes a free block, forgetting its key: never-keyed blocks first, then the least recently
+  /// freed. The caller has checked that one is free.
+  std::size_t take_free() {
+    const std::size_t b = free_.front();
+    free_.pop_front();
+    Meta& m = meta_[b];
+    if (m.keyed) forget_key(b);
+    m.count = 1;
+    return b;
+  }
+  void hold(std::size_t b) {
+    Meta& m = meta_[b];
+    if (m.count++ == 0) free_.erase(m.free_at);
+  }
+  void drop(std::size_t b) noexcept {
+    Meta& m = meta_[b];
+    if (--m.count != 0) return;
+    // Keyed blocks wait at the back for reuse; the others go first.
+    m.free_at = m.keyed ? free_.insert(free_.end(), b) : free_.insert(free_.begin(), b);
+  }
+  void forget_key(std::size_t b) noexcept {
+    Meta& m = meta_[b];
+    keyed_.erase(m.key);
+    m.keyed = false;
+    m.ids.clear();
+  }
+  /// Keys a full block, unless another block already holds that key.
+  void key_block(std::size_t b, std::uint64_t parent, std::uint64_t key, std::span<const TokenId> ids) {
+    if (meta_[b].keyed || keyed_.count(key) != 0) return;
+    Meta& m = meta_[b];
+    m.ids.assign(ids.begin(), ids.end());
+    m.parent = parent;
+    m.key = key;
+    m.keyed = true;
+    keyed_.emplace(key, b);
+  }
+  /// The block keyed `key` whose ids are `ids`, or blocks_ if none.
+  [[nodiscard]] std::size_t find(std::uint64_t key, std::span<const TokenId> ids) const {
+    const auto it = keyed_.find(key);
+    if (it == keyed_.end() ||
+        !std::equal(ids.begin(), ids.end(), meta_[it->second].ids.begin(), meta_[it->second].ids.end()))
+      return blocks_;
+    return it->second;
+  }
+  /// Copies block `from`'s rows of every layer into block `to`.
+  void copy_block(std::size_t from, std::size_t to) noexcept {
+    for (auto& r : rows_) r.copy_row(from, to);
+  }
+
+  std::size_t block_tokens_;
+  std::size_t blocks_;
+  std::size_t capacity_;
+  std::vector<detail::RowStore<T>> rows_;  // per layer, [blocks, H_kv, block_tokens, D]
+  std::vector<Meta> meta_;
+  std::list<std::size_t> free_;
+  std::unordered_map<std::uint64_t, std::size_t> keyed_;
+  std::vector<std::int64_t> positions_;            // 0, 1, ..., capacity - 1
+  std::vector<const PagedKvCache<T>*> sequences_;  // for check_invariants
+};
+
+/// One sequence in a BlockPool, following the protocol like KvCache: a model runs over it
+/// unchanged. Its history is a segment per block, read in place.
+///
+///   kvcache::BlockPool<float> pool({.layers = 28, .kv_heads = 8, .head_dim = 128, .blocks = 4096});
+///   kvcache::PagedKvCache<float> seq(pool);
+///   std::size_t skip = seq.reuse_prefix(prompt);            // tokens already in the pool
+///   auto history = seq.update(layer, k, v, positions);      // positions continue seq.length()
+///   kvcache::PagedKvCache<float> sample = seq.fork();      // shares every block
+template <class T>
+class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<PagedKvCache<T>, T> {
+ public:
+  using value_type = T;
+
+  /// An empty sequence in `pool`, which must outlive it.
+  explicit PagedKvCache(BlockPool<T>& pool)
+      : CacheBase("PagedKvCache", {pool.layers(), 1, pool.kv_heads(), pool.head_dim()}),
+        pool_(&pool),
+        segments_(pool.layers()) {
+    pool_->sequences_.push_back(this);
+  }
+  PagedKvCache(const PagedKvCache&) = delete;
+  PagedKvCache& operator=(const PagedKvCache&) = delete;
+  PagedKvCache(PagedKvCache&& other) noexcept
+      : CacheBase(std::move(other)),
+        pool_(std::exchange(other.pool_, nullptr)),
+        table_(std::move(other.table_)),
+        ids_(std::move(other.ids_)),
+        keys_(std::move(other.keys_)),
+        segments_(std::move(other.segments_)) {
+    other.table_.clear();
+    if (pool_ != nullptr)
+      std::replace(pool_->sequences_.begin(), pool_->sequences_.end(), &std::as_const(other), &std::as_const(*this));
+  }
+  PagedKvCache& operator=(PagedKvCache&& other) noexcept {
+    if (this != &other) {
+      leave();
+      CacheBase::operator=(std::move(other));
+      pool_ = std::exchange(other.pool_, nullptr);
+      table_ = std::move(other.table_);
+      other.table_.clear();
+      ids_ = std::move(other.ids_);
+      keys_ = std::move(other.keys_);
+      segments_ = std::move(other.segments_);
+      if (pool_ != nullptr)
+        std::replace(pool_->sequences_.begin(), pool_->sequences_.end(), &std::as_const(other), &std::as_const(*this));
+    }
+    return *this;
+  }
+  ~PagedKvCache() { leave(); }
+
+  using detail::ComputeTypeUpdates<PagedKvCache<T>, T>::update;
+
+  /// The most tokens the sequence may reach (the pool's capacity; blocks permitting).
+  [[nodiscard]] std::size_t capacity() const noexcept { return pool_ == nullptr ? 0 : pool_->capacity(); }
+  /// Bytes of the blocks this sequence holds (shared ones too).
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    return pool_ == nullptr ? 0 : table_.size() * pool_->block_bytes();
+  }
+  /// The blocks this sequence holds, in order.
+  [[nodiscard]] std::span<const std::size_t> block_table() const noexcept { return table_; }
+
+  /// Forgets everything after `length` tokens in every layer, giving back the blocks past it.
+  /// std::out_of_range if a layer holds fewer.
+  void truncate(std::size_t length) {
+    check_truncate(length);
+    set_all_lengths(length);
+    if (pool_ == nullptr) return;  // moved from
+    ids_.resize(std::min(ids_.size(), length));
+    keys_.resize(std::min(keys_.size(), length / block()));
+    shrink_table();
+  }
+  /// Empties the sequence, giving back every block.
+  void reset() noexcept {
+    set_all_lengths(0);
+    ids_.clear();
+    keys_.clear();
+    shrink_table();
+  }
+
+  /// A second sequence holding the same tokens: it shares every block, and either copies a
+  /// shared partial block before writing it. The fork knows the ids of the tokens it holds, not
+  /// of those this sequence was given beyond them (add_token_ids gives it its own).
+  [[nodiscard]] PagedKvCache fork() const {
+    PagedKvCache copy(*pool_);
+    for (const std::size_t b : table_) pool_->hold(b);
+    copy.table_ = table_;
+    // Ids of tokens not yet held stay with this sequence: a fork may continue differently.
+    std::size_t held = 0;
+    for (std::size_t l = 0; l < layers(); ++l) held = std::max(held, length(l));
+    copy.ids_.assign(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(std::min(held, ids_.size())));
+    copy.keys_ = keys_;
+    for (std::size_t l = 0; l < layers(); ++l) copy.set_length(l, length(l));
+    return copy;
+  }
+
+  /// Starts the sequence with a prompt: takes the pool's blocks that hold its longest keyed
+  /// prefix of full blocks, and keeps the prompt's ids so that the blocks it fills are keyed
+  /// in turn. Returns the tokens the engine may skip: a whole number of blocks. If that is the
+  /// whole prompt, truncate(prompt - 1) and feed its last token for its logits.
+  /// std::logic_error unless the sequence is empty.
+  std::size_t reuse_prefix(std::span<const TokenId> prompt) {
+    if (length() != 0 || !ids_.empty()) {
+      throw std::logic_error(detail::expected_given("PagedKvCache::reuse_prefix", "an empty sequence",
+                                                    std::to_string(length()) + " tokens held"));
+    }
+    const std::size_t b = block();
+    std::uint64_t parent = 0;
+    std::size_t matched = 0;
+    while ((matched + 1) * b <= prompt.size()) {
+      const auto ids = prompt.subspan(matched * b, b);
+      const std::uint64_t key = BlockPool<T>::chain_key(parent, ids);
+      const std::size_t found = pool_->find(key, ids);
+      if (found == pool_->blocks()) break;
+      pool_->hold(found);
+      table_.push_back(found);
+      keys_.push_back(key);
+      parent = key;
+      ++matched;
+    }
+    ids_.assign(prompt.begin(), prompt.end());
+    set_all_lengths(matched * b);
+    return matched * b;
+  }
+  /// Adds the ids of tokens after those given so far (generated ones), so that the blocks they
+  /// fill are keyed for reuse too.
+  void add_token_ids(std::span<const TokenId> ids) {
+    ids_.insert(ids_.end(), ids.begin(), ids.end());
+    key_full_blocks();
+  }
+
+  /// The layer's history as update() returns it, without writing: a segment per block.
+  [[nodiscard]] History<T> history(std::size_t layer) {
+    const std::size_t end = length(layer);
+    const std::size_t b = block();
+    auto& segments = segments_[layer];
+    segments.clear();
+    for (std::size_t j = 0; j * b < end; ++j) {
+      const std::size_t n = std::min(b, end - j * b);
+      Segment<T> s = pool_->rows_[layer].segment(0, n, Positions(pool_->positions_.data() + j * b, n),
+                                                 pool_->head_scale_view(layer));
+      s.rows = std::span<const std::size_t>(&table_[j], 1);
+      segments.push_back(s);
+    }
+    return {std::span<const Segment<T>>(segments)};
+  }
+
+ private:
+  friend class detail::ComputeTypeUpdates<PagedKvCache<T>, T>;
+  friend class BlockPool<T>;
+
+  [[nodiscard]] std::size_t block() const noexcept { return pool_->block_tokens(); }
+
+  template <class In>
+  History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
+                   const Positions& positions) {
+    const std::size_t start = check_update(layer, k, v, positions, capacity());
+    const std::size_t tokens = k.tokens();
+    const std::size_t b = block();
+    const std::size_t first = start / b, last = tokens == 0 ? first : (start + tokens - 1) / b;
+    // Blocks this write needs: new ones past the table, and a copy of a shared one it writes into.
+    std::size_t needed = 0;
+    for (std::size_t j = first; tokens != 0 && j <= last; ++j)
+      if (j >= table_.size() || pool_->meta_[table_[j]].count > 1) ++needed;
+    if (needed > pool_->free_blocks()) {
+      throw std::length_error(
+          detail::expected_given("PagedKvCache::update: layer " + std::to_string(layer) + ": blocks",
+                                 "at most the " + std::to_string(pool_->free_blocks()) + " free",
+                                 std::to_string(needed) + " needed for " + std::to_string(tokens) + " tokens"));
+    }
+    const auto scales = pool_->template prepare_update<T>(layer, k, v);
+
+    for (std::size_t j = first; tokens != 0 && j <= last; ++j) {
+      if (j >= table_.size()) {
+        table_.push_back(pool_->take_free());
+      } else if (pool_->meta_[table_[j]].count > 1) {
+        const std::size_t copy = pool_->take_free();
+        pool_->copy_block(table_[j], copy);
+        pool_->drop(table_[j]);
+        table_[j] = copy;
+      } else if (pool_->meta_[table_[j]].keyed) {
+        pool_->forget_key(table_[j]);  // rewritten after a truncate: its ids no longer hold
+      }
+    }
+    std::size_t clipped = 0;
+    for (std::size_t done = 0; done < tokens;) {
+      const std::size_t at = start + done;
+      const std::size_t n = std::min(tokens - done, b - at % b);
+      clipped += pool_->rows_[layer].encode(k, v, done, n, at % b, head_scale_view(scales),
+                                            std::span<const std::size_t>(&table_[at / b], 1));
+      done += n;
+    }
+    pool_->commit_update(layer, scales, clipped);
+    set_length(layer, start + tokens);
+    key_full_blocks();
+    return history(layer);
+  }
+
+  /// Keys every block that is full in every layer and whose ids are known, in chain order.
+  void key_full_blocks() {
+    const std::size_t b = block();
+    std::size_t full = ~std::size_t{0};
+    for (std::size_t l = 0; l < layers(); ++l) full = std::min(full, length(l) / b);
+    full = std::min({full, ids_.size() / b, table_.size()});
+    while (keys_.size() < full) {
+      const std::size_t j = keys_.size();
+      const std::uint64_t parent = j == 0 ? 0 : keys_.back();
+      const auto ids = std::span<const TokenId>(ids_).subspan(j * b, b);
+      const std::uint64_t key = BlockPool<T>::chain_key(parent, ids);
+      pool_->key_block(table_[j], parent, key, ids);
+      keys_.push_back(key);
+    }
+  }
+
+  /// Gives back the blocks no layer's tokens reach any more.
+  void shrink_table() noexcept {
+    if (pool_ == nullptr) return;
+    std::size_t longest = 0;
+    for (std::size_t l = 0; l < layers(); ++l) longest = std::max(longest, length(l));
+    const std::size_t keep = (longest + block() - 1) / block();
+    while (table_.size() > keep) {
+      pool_->drop(table_.back());
+      table_.pop_back();
+    }
+  }
+
+  void leave() noexcept {
+    if (pool_ == nullptr) return;
+    for (const std::size_t b : table_) pool_->drop(b);
+    table_.clear();
+    auto& all = pool_->sequences_;
+    all.erase(std::remove(all.begin(), all.end(), this), all.end());
+    pool_ = nullptr;
+  }
+
+  BlockPool<T>* pool_;
+  std::vector<std::size_t> table_;                 // block of each block_tokens tokens, in order
+  std::vector<TokenId> ids_;                       // token ids known, from position 0
+  std::vector<std::uint64_t> keys_;                // chain key of each leading full block keyed
+  std::vector<std::vector<Segment<T>>> segments_;  // per layer, what the last update returned
+};
+
+static_assert(kv_cache_protocol<PagedKvCache<float>>);
+
+}  // namespace kvcache

@@ -1,0 +1,288 @@
+// SPDX-License-Identifier: Apache-2.0
+// The paged cache's own contract, over every storage format: sequences in a pool of blocks,
+// fork with copy-on-write, prefix reuse by a hash chain of token ids, blocks freed and reused in
+// least-recently-freed order, running out of blocks; and a seeded differential test of all of
+// it against a trivial reference, with the pool's invariants checked after every operation.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cache_test_support.hpp"
+
+namespace kvcache::testing {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+template <class T>
+class Paged : public ::testing::Test {
+ protected:
+  using In = input_t<T>;
+  static constexpr std::size_t layers = 2, kv_heads = 2, head_dim = 8, block = 4;
+
+  static BlockPool<T> make_pool(std::size_t blocks) { return BlockPool<T>(test_pool_config(blocks)); }
+  static BlockPoolConfig test_pool_config(std::size_t blocks) {
+    const KvCacheConfig c = test_config<T>({.layers = layers, .kv_heads = kv_heads, .head_dim = head_dim});
+    return {.layers = layers,
+            .kv_heads = kv_heads,
+            .head_dim = head_dim,
+            .block_tokens = block,
+            .blocks = blocks,
+            .capacity = 64,
+            .key_scales = c.key_scales,
+            .value_scales = c.value_scales};
+  }
+
+  /// The K and V rows of the token at position p after `ids[0..p]`: a function of that whole
+  /// prefix, as a model's are, so a sequence that reuses a prefix gets what recomputing gives.
+  static Block<In> rows_after(std::span<const TokenId> ids, std::size_t p, std::uint64_t salt) {
+    std::uint64_t h = salt;
+    for (std::size_t i = 0; i <= p; ++i) h = h * 1000003U + static_cast<std::uint64_t>(ids[i]) + 1;
+    return Block<In>({1, kv_heads, 1, head_dim}, h);
+  }
+
+  /// Feeds ids[from, to) into every layer of `seq` (the first `stop` layers only, if given).
+  static void feed(PagedKvCache<T>& seq, std::span<const TokenId> ids, std::size_t from, std::size_t to,
+                   std::size_t stop = layers) {
+    for (std::size_t layer = 0; layer < stop; ++layer) {
+      for (std::size_t p = from; p < to; ++p) {
+        const Block<In> k = rows_after(ids, p, 2 * layer), v = rows_after(ids, p, 2 * layer + 1);
+        const std::int64_t at = static_cast<std::int64_t>(p);
+        seq.update(layer, k.view(), v.view(), at);
+      }
+    }
+  }
+
+  /// What a sequence fed ids[0, n) must hold in `layer`, by position.
+  static std::map<std::int64_t, Row> expected(std::span<const TokenId> ids, std::size_t n, std::size_t layer) {
+    std::map<std::int64_t, Row> rows;
+    for (std::size_t p = 0; p < n; ++p) {
+      const Block<In> k = rows_after(ids, p, 2 * layer), v = rows_after(ids, p, 2 * layer + 1);
+      rows[static_cast<std::int64_t>(p)] = row_of<T>(k.view(), v.view(), 0);
+    }
+    return rows;
+  }
+
+  static void expect_holds(PagedKvCache<T>& seq, std::span<const TokenId> ids, std::size_t n) {
+    ASSERT_EQ(seq.length(), n);
+    for (std::size_t layer = 0; layer < layers; ++layer)
+      EXPECT_EQ(flatten(seq.history(layer)), expected(ids, n, layer));
+  }
+};
+
+using Formats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
+struct FormatName {
+  template <class T>
+  static std::string GetName(int) {
+    return storage_codec<T>::name;
+  }
+};
+TYPED_TEST_SUITE(Paged, Formats, FormatName);
+
+std::vector<TokenId> ids(std::initializer_list<int> values) { return {values.begin(), values.end()}; }
+
+TYPED_TEST(Paged, ASequenceHoldsItsTokensInBlocksAndGivesThemBackWhenTruncatedOrGone) {
+  auto pool = this->make_pool(8);
+  const auto prompt = ids({5, 1, 4, 1, 5, 9, 2, 6, 5, 3});
+  {
+    PagedKvCache<TypeParam> seq(pool);
+    this->feed(seq, prompt, 0, 10);
+    this->expect_holds(seq, prompt, 10);
+    EXPECT_EQ(seq.block_table().size(), 3U);
+    EXPECT_EQ(seq.history(0).segments.size(), 3U);  // read in place, a segment a block
+    EXPECT_EQ(pool.free_blocks(), 5U);
+    EXPECT_EQ(seq.bytes(), 3 * pool.block_bytes());
+    seq.truncate(4);
+    EXPECT_EQ(pool.free_blocks(), 7U);
+    this->feed(seq, prompt, 4, 6);
+    this->expect_holds(seq, prompt, 6);
+    pool.check_invariants();
+  }
+  EXPECT_EQ(pool.free_blocks(), 8U);
+  pool.check_invariants();
+}
+
+TYPED_TEST(Paged, ForkedSequencesContinuedDifferentlyEqualEachComputedFromScratch) {
+  auto pool = this->make_pool(12);
+  const auto a = ids({3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8});
+  auto b = a;
+  b[6] = 7;  // diverges inside the second block, which the fork shares partly filled
+  PagedKvCache<TypeParam> first(pool);
+  this->feed(first, a, 0, 6);
+  PagedKvCache<TypeParam> second = first.fork();
+  EXPECT_EQ(std::vector<std::size_t>(second.block_table().begin(), second.block_table().end()),
+            std::vector<std::size_t>(first.block_table().begin(), first.block_table().end()));
+  EXPECT_EQ(pool.free_blocks(), 10U);  // shared, not copied
+  pool.check_invariants();
+  this->feed(second, b, 6, 12);  // copies the shared partial block before writing it
+  this->feed(first, a, 6, 9);
+  pool.check_invariants();
+  EXPECT_EQ(first.block_table()[0], second.block_table()[0]);  // the full block stays shared
+  EXPECT_NE(first.block_table()[1], second.block_table()[1]);
+  this->expect_holds(first, a, 9);
+  this->expect_holds(second, b, 12);
+}
+
+TYPED_TEST(Paged, APrefixHitSkipsWholeBlocksOfTheSharedPrefixAndHoldsWhatRecomputingGives) {
+  auto pool = this->make_pool(16);
+  const auto prompt = ids({7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 10});
+  auto other = prompt;
+  other[9] = 42;  // shares 9 tokens: two whole blocks of 4
+  PagedKvCache<TypeParam> first(pool);
+  EXPECT_EQ(first.reuse_prefix(prompt), 0U);
+  this->feed(first, prompt, 0, prompt.size());
+  EXPECT_EQ(pool.keyed_blocks(), 2U);  // full blocks whose ids are known
+  PagedKvCache<TypeParam> second(pool);
+  const std::size_t skip = second.reuse_prefix(other);
+  EXPECT_EQ(skip, 8U);
+  EXPECT_EQ(second.length(), 8U);
+  EXPECT_EQ(second.block_table()[1], first.block_table()[1]);
+  pool.check_invariants();
+  this->feed(second, other, skip, other.size());
+  this->expect_holds(second, other, other.size());
+  this->expect_holds(first, prompt, prompt.size());
+  pool.check_invariants();
+  // A prompt no longer than a block, or sharing less than one, skips nothing.
+  PagedKvCache<TypeParam> third(pool);
+  EXPECT_EQ(third.reuse_prefix(ids({7, 7, 1})), 0U);
+  PagedKvCache<TypeParam> fourth(pool);
+  EXPECT_EQ(fourth.reuse_prefix(ids({7, 7, 1, 9, 2, 3, 4, 5})), 0U);
+  // Only an empty sequence takes a prefix.
+  EXPECT_THROW((void)first.reuse_prefix(prompt), std::logic_error);
+}
+
+TYPED_TEST(Paged, FreedKeyedBlocksStayReusableUntilThePoolNeedsThemLeastRecentlyFreedFirst) {
+  auto pool = this->make_pool(4);
+  const auto a = ids({1, 2, 3, 4}), b = ids({5, 6, 7, 8});
+  for (const auto* prompt : {&a, &b}) {  // a's block is freed first, then b's
+    PagedKvCache<TypeParam> seq(pool);
+    (void)seq.reuse_prefix(*prompt);
+    this->feed(seq, *prompt, 0, 4);
+  }
+  EXPECT_EQ(pool.free_blocks(), 4U);
+  EXPECT_EQ(pool.keyed_blocks(), 2U);
+  {
+    // Two fresh blocks come from the never-keyed ones; the third evicts a's, the oldest freed.
+    PagedKvCache<TypeParam> filler(pool);
+    this->feed(filler, ids({9, 9, 9, 9, 9, 9, 9, 9, 9}), 0, 9);
+    EXPECT_EQ(pool.keyed_blocks(), 1U);
+    pool.check_invariants();
+  }
+  PagedKvCache<TypeParam> again_a(pool), again_b(pool);
+  EXPECT_EQ(again_a.reuse_prefix(a), 0U);
+  EXPECT_EQ(again_b.reuse_prefix(b), 4U);
+  this->expect_holds(again_b, b, 4);
+  pool.check_invariants();
+}
+
+TYPED_TEST(Paged, OutOfBlocksThrowsNamingNeededAndFreeWithNothingChanged) {
+  auto pool = this->make_pool(3);
+  const auto prompt = ids({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14});
+  PagedKvCache<TypeParam> seq(pool);
+  this->feed(seq, prompt, 0, 6);
+  PagedKvCache<TypeParam> other = seq.fork();
+  const std::size_t free = pool.free_blocks();
+  // 7 more tokens from position 6: a copy of the shared second block and two new ones.
+  Block<typename TestFixture::In> k({1, TestFixture::kv_heads, 7, TestFixture::head_dim}, 1);
+  try {
+    seq.update(0, k.view(), k.view(), arange(6, 7));
+    ADD_FAILURE() << "no exception";
+  } catch (const std::length_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("blocks"), HasSubstr("the 1 free"), HasSubstr("3 needed")));
+  }
+  EXPECT_EQ(pool.free_blocks(), free);
+  EXPECT_EQ(seq.length(0), 6U);
+  pool.check_invariants();
+  this->expect_holds(seq, prompt, 6);
+  this->expect_holds(other, prompt, 6);
+}
+
+// ---- seeded random operation sequences against a trivial reference --------------------------
+
+TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsistent) {
+  using Seq = PagedKvCache<TypeParam>;
+  std::mt19937_64 rng(20261204);
+  const auto pick = [&](std::size_t lo, std::size_t hi) {
+    return std::uniform_int_distribution<std::size_t>(lo, hi)(rng);
+  };
+  // Prompts from a small alphabet, so prefixes repeat across sequences.
+  const std::vector<std::vector<TokenId>> prompts = {ids({1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9}),
+                                                     ids({1, 2, 3, 4, 5, 6, 7, 8, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4}),
+                                                     ids({1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9}),
+                                                     ids({6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6})};
+  std::size_t hits = 0, out_of_blocks = 0, forks = 0;  // what the runs reached
+  for (int run = 0; run < 20; ++run) {
+    SCOPED_TRACE("run " + std::to_string(run));
+    auto pool = this->make_pool(pick(6, 14));
+    struct Live {
+      std::unique_ptr<Seq> seq;
+      std::vector<TokenId> ids;  // what it holds (and may be fed), position by position
+    };
+    std::vector<Live> live;
+    for (int op = 0; op < 60; ++op) {
+      const std::size_t kind = pick(0, 9);
+      if (kind <= 1 && live.size() < 4) {  // a new sequence, through a prefix hit where there is one
+        Live l{std::make_unique<Seq>(pool), prompts[pick(0, prompts.size() - 1)]};
+        const std::size_t skip = l.seq->reuse_prefix(l.ids);
+        ASSERT_EQ(skip % TestFixture::block, 0U);
+        ASSERT_EQ(l.seq->length(), skip);
+        if (skip != 0) ++hits;
+        live.push_back(std::move(l));
+      } else if (kind <= 5 && !live.empty()) {  // feed tokens, the pass maybe stopped part-way
+        Live& l = live[pick(0, live.size() - 1)];
+        std::size_t from = 0;
+        try {
+          from = l.seq->length();
+        } catch (const std::runtime_error&) {
+          continue;  // part-way: the next truncate repairs it
+        }
+        const std::size_t to = std::min(l.ids.size(), from + pick(1, 5));
+        const std::size_t stop = pick(0, 4) == 0 ? 1 : TestFixture::layers;
+        try {
+          this->feed(*l.seq, l.ids, from, to, stop);
+        } catch (const std::length_error&) {
+          ++out_of_blocks;  // whatever went in before stays; the reference below reads lengths
+        }
+      } else if (kind == 6 && !live.empty() && live.size() < 4) {  // fork
+        Live& l = live[pick(0, live.size() - 1)];
+        const std::size_t free = pool.free_blocks();
+        Live f{std::make_unique<Seq>(l.seq->fork()), l.ids};
+        ASSERT_EQ(pool.free_blocks(), free) << "a fork copies no block";
+        ++forks;
+        // It continues with another prompt's tokens after those it holds.
+        const std::size_t n = std::max(l.seq->length(0), l.seq->length(1));
+        const auto& tail = prompts[pick(0, prompts.size() - 1)];
+        f.ids.assign(l.ids.begin(), l.ids.begin() + static_cast<std::ptrdiff_t>(n));
+        f.ids.insert(f.ids.end(), tail.begin() + static_cast<std::ptrdiff_t>(n), tail.end());
+        f.seq->add_token_ids(std::span<const TokenId>(f.ids).subspan(n));
+        live.push_back(std::move(f));
+      } else if (kind == 7 && !live.empty()) {  // truncate
+        Live& l = live[pick(0, live.size() - 1)];
+        const std::size_t held = std::min(l.seq->length(0), l.seq->length(1));
+        l.seq->truncate(pick(0, held));
+      } else if (kind == 8 && !live.empty()) {  // finish: the sequence goes
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(pick(0, live.size() - 1)));
+      }
+      ASSERT_NO_THROW(pool.check_invariants());
+      for (Live& l : live) {
+        for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) {
+          ASSERT_EQ(flatten(l.seq->history(layer)), this->expected(l.ids, l.seq->length(layer), layer))
+              << "layer " << layer;
+        }
+      }
+    }
+  }
+  EXPECT_GT(hits, 10U);
+  EXPECT_GT(out_of_blocks, 10U);
+  EXPECT_GT(forks, 10U);
+}
+
+}  // namespace
+}  // namespace kvcache::testing
