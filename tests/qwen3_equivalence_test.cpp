@@ -24,6 +24,7 @@
 #include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
 #include "kvcache/slot_kv_cache.hpp"
+#include "pooled_sequence.hpp"
 #include "qwen3/model.hpp"
 
 namespace {
@@ -118,9 +119,10 @@ struct Dense {
                   .value_scales = scales.values});
   }
   static std::string name() {
-    const char* variant = std::is_same_v<Cache, kvcache::KvCache<T>>       ? "KvCache<"
-                          : std::is_same_v<Cache, kvcache::SlotKvCache<T>> ? "SlotKvCache<"
-                                                                           : "ConcatKvCache<";
+    const char* variant = std::is_same_v<Cache, kvcache::KvCache<T>>                   ? "KvCache<"
+                          : std::is_same_v<Cache, kvcache::SlotKvCache<T>>             ? "SlotKvCache<"
+                          : std::is_same_v<Cache, kvcache::testing::PooledSequence<T>> ? "PagedKvCache<"
+                                                                                       : "ConcatKvCache<";
     return variant + std::string(type_name<T>()) + ">";
   }
 };
@@ -154,6 +156,8 @@ template <class T>
 using ConcatCase = Dense<kvcache::ConcatKvCache, T>;
 template <class T>
 using SlotCase = Dense<kvcache::SlotKvCache, T>;  // one slot, through the protocol's update
+template <class T>
+using PagedCase = Dense<kvcache::testing::PooledSequence, T>;  // blocks of 4 tokens
 
 struct CaseName {
   template <class Case>
@@ -176,7 +180,9 @@ using Cases =
                      ConcatCase<kvcache::int8_rows>, Ring<kvcache::int8_rows, 7, 2, 1>, KvCase<kvcache::int4_groups>,
                      ConcatCase<kvcache::int4_groups>, Ring<kvcache::int4_groups, 7, 2, 1>, SlotCase<float>,
                      SlotCase<double>, SlotCase<Eigen::half>, SlotCase<Eigen::bfloat16>, SlotCase<kvcache::fp8_e4m3>,
-                     SlotCase<kvcache::int8_rows>, SlotCase<kvcache::int4_groups>>;
+                     SlotCase<kvcache::int8_rows>, SlotCase<kvcache::int4_groups>, PagedCase<float>, PagedCase<double>,
+                     PagedCase<Eigen::half>, PagedCase<Eigen::bfloat16>, PagedCase<kvcache::fp8_e4m3>,
+                     PagedCase<kvcache::int8_rows>, PagedCase<kvcache::int4_groups>>;
 
 template <class Case>
 class Equivalence : public ::testing::Test {};
@@ -353,6 +359,40 @@ TEST(SlotBatch, AFailedBatchLeavesEveryRowWhereItWas) {
   const std::vector<qwen3::Model::RowTokens> next = {{a, slice(tokens, 5, 1)}};
   EXPECT_LE(max_abs_diff(model.forward(next, cache)[0], model.forward_uncached(slice(tokens, 0, 6)).bottomRows(1)),
             1e-5);
+}
+
+// ---- sequences sharing blocks ---------------------------------------------------------------
+
+TEST(PagedSequences, APrefixHitAndForksContinuedDifferentlyGiveTheLogitsOfRecomputing) {
+  qwen3::Model& model = tiny_model();
+  const qwen3::Config& c = model.config();
+  kvcache::BlockPool<float> pool(
+      {.layers = c.layers, .kv_heads = c.kv_heads, .head_dim = c.head_dim, .block_tokens = 4, .blocks = 64});
+  const std::vector<TokenId> a = fixed_tokens(23, 11);
+  std::vector<TokenId> b = a;
+  b[10] = static_cast<TokenId>((b[10] + 1) % 256);  // shares 10 tokens: two whole blocks
+  const auto expect_uncached = [&](const Matrix& got, const std::vector<TokenId>& tokens, std::size_t from) {
+    const Matrix all = model.forward_uncached(tokens);
+    EXPECT_LE(max_abs_diff(got, all.bottomRows(all.rows() - static_cast<Eigen::Index>(from))), 1e-5);
+  };
+  kvcache::PagedKvCache<float> first(pool);
+  EXPECT_EQ(first.reuse_prefix(a), 0U);
+  expect_uncached(model.forward(a, first), a, 0);
+
+  kvcache::PagedKvCache<float> second(pool);
+  const std::size_t skip = second.reuse_prefix(b);
+  EXPECT_EQ(skip, 8U);
+  expect_uncached(model.forward(slice(b, skip, b.size() - skip), second), b, skip);
+  pool.check_invariants();
+
+  // A fork of the first, mid-block, continued with other tokens than the first's.
+  kvcache::PagedKvCache<float> fork = first.fork();
+  std::vector<TokenId> a_more = a, fork_more = a;
+  for (TokenId t : fixed_tokens(6, 12)) a_more.push_back(t);
+  for (TokenId t : fixed_tokens(6, 13)) fork_more.push_back(t);
+  expect_uncached(model.forward(slice(fork_more, 23, 6), fork), fork_more, 23);
+  expect_uncached(model.forward(slice(a_more, 23, 6), first), a_more, 23);
+  pool.check_invariants();
 }
 
 // ---- the comparison can fail ---------------------------------------------------------------

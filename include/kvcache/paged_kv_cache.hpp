@@ -317,6 +317,12 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   [[nodiscard]] std::size_t bytes() const noexcept {
     return pool_ == nullptr ? 0 : table_.size() * pool_->block_bytes();
   }
+  /// The pool's saturated values and head scales: the pool's blocks share one scale per
+  /// (layer, kv head) for formats that keep one.
+  [[nodiscard]] std::size_t clipped() const noexcept { return pool_ == nullptr ? 0 : pool_->clipped(); }
+  [[nodiscard]] std::vector<float> head_scales(bool values) const {
+    return pool_ == nullptr ? std::vector<float>{} : pool_->head_scales(values);
+  }
   /// The blocks this sequence holds, in order.
   [[nodiscard]] std::span<const std::size_t> block_table() const noexcept { return table_; }
 
