@@ -78,12 +78,41 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
 
  private:
   friend class detail::ComputeTypeUpdates<ConcatKvCache<T>, T>;
+  friend struct detail::StateAccess;
 
   struct Layer {
     detail::RowStore<T> rows;
     std::vector<std::int64_t> positions;
     Segment<T> segment{};
   };
+
+  // Plain pages, as a framework's allocator gives a concatenation (this is the baseline).
+  static constexpr detail::BufferOptions kPlain{.zero_fill = false, .huge_pages = false};
+
+  // State files (state_file.hpp): each layer's rows; CacheBase's section has the lengths.
+  [[nodiscard]] KvCacheConfig state_config() const noexcept {
+    return {
+        .layers = layers(), .batch = batch(), .kv_heads = kv_heads(), .head_dim = head_dim(), .capacity = capacity_};
+  }
+  template <class Out>
+  void save_sections(Out& out) const {
+    for (std::size_t l = 0; l < layers(); ++l) out.rows("ROWS", l, layers_[l].rows, 0, length(l));
+  }
+  template <class In>
+  auto load_sections(In& in) {
+    // Buffers of the loaded lengths, as the updates that made them would have left them.
+    std::vector<Layer> loaded(layers());
+    for (std::size_t l = 0; l < layers(); ++l) {
+      const std::size_t tokens = in.lengths()[l];
+      if (tokens != 0) {
+        loaded[l].rows = detail::RowStore<T>(batch(), kv_heads(), head_dim(), tokens, kPlain);
+        loaded[l].positions.resize(tokens);
+        std::iota(loaded[l].positions.begin(), loaded[l].positions.end(), std::int64_t{0});
+      }
+      in.rows("ROWS", l, loaded[l].rows, 0, tokens);
+    }
+    return [this, loaded = std::move(loaded)]() mutable noexcept { layers_ = std::move(loaded); };
+  }
 
   template <class In>
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
@@ -92,8 +121,6 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
     const auto scales = prepare_update<T>(layer, k, v);
     Layer& old = layers_[layer];
     const std::size_t total = length + k.tokens();
-    // Plain pages, as a framework's allocator gives a concatenation (this is the baseline).
-    constexpr detail::BufferOptions kPlain{.zero_fill = false, .huge_pages = false};
     Layer grown{detail::RowStore<T>(batch(), kv_heads(), head_dim(), total, kPlain), std::vector<std::int64_t>(total)};
     // The allocations above are the only steps that can throw; from here on nothing does.
     if (length != 0) grown.rows.copy(old.rows, 0, length, 0);

@@ -86,6 +86,23 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
 
  private:
   friend class detail::ComputeTypeUpdates<KvCache<T>, T>;
+  friend struct detail::StateAccess;
+
+  // State files (state_file.hpp): each layer's rows; CacheBase's section has the lengths.
+  [[nodiscard]] KvCacheConfig state_config() const noexcept {
+    return {
+        .layers = layers(), .batch = batch(), .kv_heads = kv_heads(), .head_dim = head_dim(), .capacity = capacity_};
+  }
+  template <class Out>
+  void save_sections(Out& out) const {
+    for (std::size_t l = 0; l < layers(); ++l) out.rows("ROWS", l, rows_[l], 0, length(l));
+  }
+  template <class In>
+  auto load_sections(In& in) {
+    // Into the rows themselves: the loader reads them first where they hold tokens.
+    for (std::size_t l = 0; l < layers(); ++l) in.rows("ROWS", l, rows_[l], 0, in.lengths()[l]);
+    return []() noexcept {};
+  }
 
   template <class In>
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,

@@ -14,4 +14,5 @@
 #include "kvcache/ring_kv_cache.hpp"
 #include "kvcache/size.hpp"
 #include "kvcache/slot_kv_cache.hpp"
+#include "kvcache/state_file.hpp"
 #include "kvcache/views.hpp"

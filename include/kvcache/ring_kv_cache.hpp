@@ -153,6 +153,92 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     std::array<Segment<T>, 4> read_segments{};  // history(layer)'s, apart from update()'s
   };
 
+  friend struct detail::StateAccess;
+
+  // State files (state_file.hpp): per layer, RING (where the ring stands, the position each
+  // slot holds, the staged chunk's positions), ROWS (every slot) and STAG (the staged rows).
+  [[nodiscard]] KvCacheConfig state_config() const noexcept {
+    return {.layers = layers(),
+            .batch = batch(),
+            .kv_heads = kv_heads(),
+            .head_dim = head_dim(),
+            .capacity = capacity_ == std::numeric_limits<std::size_t>::max() ? 0 : capacity_,
+            .window = window_,
+            .sinks = sinks_,
+            .slack = ring_ - window_};
+  }
+  template <class Out>
+  void save_sections(Out& out) const {
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& state = layers_[l];
+      const std::size_t staged = length(l) - state.stored_end;
+      out.section("RING", l, [&](auto& fields) {
+        fields.u64(state.stored_end);
+        fields.u64(state.oldest);
+        fields.u64(state.staging.tokens);
+        fields.i64s(state.positions);
+        fields.i64s(std::span<const std::int64_t>(state.staging.positions.data(), staged));
+      });
+      out.rows("ROWS", l, state.rows, 0, slots());
+      out.rows("STAG", l, state.staging.rows, 0, staged);
+    }
+  }
+  template <class In>
+  auto load_sections(In& in) {
+    struct Loaded {
+      std::size_t stored_end, oldest;
+      std::vector<std::int64_t> positions;
+      Staging staging;
+    };
+    std::vector<Loaded> loaded;
+    loaded.reserve(layers_.size());
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      const std::size_t length = in.lengths()[l];
+      auto fields = in.section("RING", l, 3 * 8 + (slots() + length) * 8);
+      const auto check = [&](const char* field, bool ok, const std::string& expected, auto found) {
+        fields.require(ok, field, expected, std::to_string(found));
+      };
+      const std::size_t stored_end = fields.u64("stored_end");
+      check("stored_end", stored_end <= length, "<= the layer's length " + std::to_string(length), stored_end);
+      const std::size_t oldest = fields.u64("oldest");
+      check("oldest", oldest <= stored_end, "<= stored_end " + std::to_string(stored_end), oldest);
+      const std::size_t staging_tokens = fields.u64("staging tokens");
+      const std::size_t staged = length - stored_end;
+      check("staging tokens", staging_tokens >= staged, ">= the staged tokens " + std::to_string(staged),
+            staging_tokens);
+      std::vector<std::int64_t> positions = fields.i64s("slot positions", slots());
+      for (std::size_t slot = 0; slot < positions.size(); ++slot) {
+        const std::int64_t p = positions[slot];  // -1: never written
+        check("slot positions", p == -1 || (p >= 0 && slot_of(static_cast<std::size_t>(p)) == slot),
+              "-1 or a position that slot " + std::to_string(slot) + " holds", p);
+      }
+      const std::vector<std::int64_t> staged_positions = fields.i64s("staged positions", staged);
+      for (std::size_t i = 0; i < staged; ++i) {
+        check("staged positions", staged_positions[i] == static_cast<std::int64_t>(stored_end + i),
+              std::to_string(stored_end + i), staged_positions[i]);
+      }
+      fields.finish();
+      Staging staging;
+      if (staging_tokens != 0) {
+        detail::check_footprint("RingKvCache", geometry(), staging_tokens, sizeof(typename storage_codec<T>::unit));
+        staging = Staging(geometry(), staging_tokens);
+        std::copy(staged_positions.begin(), staged_positions.end(), staging.positions.begin());
+      }
+      loaded.push_back({stored_end, oldest, std::move(positions), std::move(staging)});
+      // The ring's own rows directly: the loader reads them first where they hold tokens.
+      in.rows("ROWS", l, layers_[l].rows, 0, slots());
+      in.rows("STAG", l, loaded.back().staging.rows, 0, staged);
+    }
+    return [this, loaded = std::move(loaded)]() mutable noexcept {
+      for (std::size_t l = 0; l < layers_.size(); ++l) {
+        layers_[l].stored_end = loaded[l].stored_end;
+        layers_[l].oldest = loaded[l].oldest;
+        layers_[l].positions = std::move(loaded[l].positions);
+        layers_[l].staging = std::move(loaded[l].staging);
+      }
+    };
+  }
+
   template <class In>
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {

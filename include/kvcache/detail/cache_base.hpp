@@ -22,6 +22,10 @@
 
 namespace kvcache::detail {
 
+/// Saves and loads a cache's state (kvcache/state_file.hpp): a friend of CacheBase and of every
+/// variant, which reads and restores their private state.
+struct StateAccess;
+
 /// What every variant keeps the same way: its geometry and the tokens each layer holds, with
 /// the accessors and checks on them. Variants derive from it for that state alone; the protocol
 /// they follow is the kv_cache_protocol concept, and nothing here is virtual.
@@ -63,6 +67,8 @@ class CacheBase {
   }
 
  protected:
+  friend struct StateAccess;
+
   /// A layer's head scales: given in the config, or set from the layer's first update.
   struct LayerScales {
     std::vector<float> keys, values;

@@ -8,6 +8,7 @@
 
 #include "kvcache/codec.hpp"
 #include "kvcache/detail/aligned_buffer.hpp"
+#include "kvcache/detail/assert.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache::detail {
@@ -95,6 +96,27 @@ class RowStore {
         }
       }
     }
+  }
+
+  /// Calls run(pointer, bytes) on each contiguous run of the stored bytes of slots
+  /// [slot, slot + count): the keys of every (b, h) in order, then the values, then their row
+  /// scales where kept here. What a state file holds of the rows (state_file.hpp); `self` is a
+  /// RowStore or a const one, and the pointers are as const as it.
+  template <class Self, class Run>
+  static void for_each_run(Self& self, std::size_t slot, std::size_t count, const Run& run) {
+    KVCACHE_ASSERT(slot <= self.slots_ && count <= self.slots_ - slot, "RowStore::for_each_run: slots out of range");
+    const auto runs = [&](auto& buffer, std::size_t per_slot) {
+      if (count == 0 || buffer.size() == 0) return;
+      for (std::size_t b = 0; b < self.batch_; ++b) {
+        for (std::size_t h = 0; h < self.heads_; ++h) {
+          run(buffer.data() + self.index(b, h, slot) * per_slot, count * per_slot * sizeof(*buffer.data()));
+        }
+      }
+    };
+    runs(self.keys_, self.units_);
+    runs(self.values_, self.units_);
+    runs(self.key_scales_, 1);
+    runs(self.value_scales_, 1);
   }
 
   /// Copies every head's slots of stored row `from` to stored row `to`, with their scales.
