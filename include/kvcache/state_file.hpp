@@ -40,6 +40,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -226,6 +227,23 @@ class PayloadReader {
   std::size_t at_ = 0;
 };
 
+/// The stored bytes of slots [slot, slot + count) of `rows` (a RowStore, const or not) as runs
+/// of bytes, those that abut in memory joined: a layer whose slots are all held is one run of
+/// keys and one of values, read or written by one call each.
+template <class Byte, class Store>
+std::vector<std::span<Byte>> joined_runs(Store& rows, std::size_t slot, std::size_t count) {
+  std::vector<std::span<Byte>> runs;
+  std::remove_const_t<Store>::for_each_run(rows, slot, count, [&](auto* data, std::size_t n) {
+    auto* bytes = reinterpret_cast<Byte*>(data);
+    if (!runs.empty() && runs.back().data() + runs.back().size() == bytes) {
+      runs.back() = {runs.back().data(), runs.back().size() + n};
+    } else {
+      runs.emplace_back(bytes, n);
+    }
+  });
+  return runs;
+}
+
 /// Writes a state file's framing: the magic and version, then sections, each checksummed.
 class StateWriter {
  public:
@@ -252,17 +270,17 @@ class StateWriter {
   /// the cache's storage itself.
   template <class T>
   void rows(std::string_view tag, std::size_t index, const RowStore<T>& rows, std::size_t slot, std::size_t count) {
+    const auto runs = joined_runs<const char>(rows, slot, count);
     std::uint64_t bytes = 0;
-    RowStore<T>::for_each_run(rows, slot, count, [&](const void*, std::size_t n) { bytes += n; });
+    for (const auto run : runs) bytes += run.size();
     std::uint32_t crc = start(tag, index, bytes);
-    RowStore<T>::for_each_run(rows, slot, count, [&](const void* data, std::size_t n) {
-      for (std::size_t done = 0; done < n; done += kStateChunk) {
-        const auto* chunk = static_cast<const char*>(data) + done;
-        const std::size_t size = std::min(kStateChunk, n - done);
-        crc = crc32c(crc, chunk, size);
-        write(chunk, size);
+    for (const auto run : runs) {
+      for (std::size_t done = 0; done < run.size(); done += kStateChunk) {
+        const std::size_t size = std::min(kStateChunk, run.size() - done);
+        crc = crc32c(crc, run.data() + done, size);
+        write(run.data() + done, size);
       }
-    });
+    }
     write(&crc, sizeof crc);
   }
 
@@ -333,12 +351,9 @@ class StateReader {
   /// into them as the data mode says.
   template <class T>
   void rows(std::string_view tag, std::size_t index, RowStore<T>& rows, std::size_t slot, std::size_t count) {
-    Pending pending{section_name(tag, index), {}, 0, 0, {}};
+    Pending pending{section_name(tag, index), joined_runs<char>(rows, slot, count), 0, 0, {}};
     std::uint64_t expected = 0;
-    RowStore<T>::for_each_run(rows, slot, count, [&](void* data, std::size_t n) {
-      pending.runs.push_back({static_cast<char*>(data), n});
-      expected += n;
-    });
+    for (const auto run : pending.runs) expected += run.size();
     const SectionHeader header = read_header(tag, index);
     if (header.bytes != expected) {
       throw std::runtime_error(file_error("section " + pending.name + ": payload bytes",
@@ -351,7 +366,7 @@ class StateReader {
     }
     if (data_ == Data::hold) {
       pending.held.resize(expected);
-      check_crc(pending.name, read_runs({{pending.held.data(), pending.held.size()}}, start, pending.name));
+      check_crc(pending.name, read_runs({std::span<char>(pending.held)}, start, pending.name));
     } else {
       pending.offset = in_.tellg();
       std::uint32_t crc = start;
@@ -383,19 +398,15 @@ class StateReader {
     for (Pending& p : pending_) {
       if (data_ == Data::hold) {
         const char* from = p.held.data();
-        for (const auto& [data, n] : p.runs) {
-          std::memcpy(data, from, n);
-          from += n;
+        for (const auto run : p.runs) {
+          std::memcpy(run.data(), from, run.size());
+          from += run.size();
         }
         continue;
       }
       in_.seekg(p.offset);
       if (!in_) throw std::runtime_error("kvcache state file: section " + p.name + ": cannot seek back to read it");
-      std::uint32_t crc = p.start_crc;
-      for (const auto& [data, n] : p.runs) {
-        read_exact(data, n, "the payload of section " + p.name);
-        crc = crc32c(crc, data, n);
-      }
+      const std::uint32_t crc = read_runs(p.runs, p.start_crc, p.name);
       std::uint32_t stored = 0;
       read_exact(&stored, sizeof stored, "the checksum of section " + p.name);
       if (crc != stored) {
@@ -408,13 +419,9 @@ class StateReader {
   }
 
  private:
-  struct Run {
-    char* data;
-    std::size_t bytes;
-  };
   struct Pending {
     std::string name;
-    std::vector<Run> runs;
+    std::vector<std::span<char>> runs;
     std::istream::pos_type offset;
     std::uint32_t start_crc;
     std::vector<char> held;
@@ -431,12 +438,12 @@ class StateReader {
 
   /// Reads the runs' bytes in chunks, checksumming each while it is in the processor's cache;
   /// returns `crc` continued over them.
-  std::uint32_t read_runs(const std::vector<Run>& runs, std::uint32_t crc, const std::string& name) {
-    for (const auto& [data, n] : runs) {
-      for (std::size_t done = 0; done < n; done += kStateChunk) {
-        const std::size_t size = std::min(kStateChunk, n - done);
-        read_exact(data + done, size, "the payload of section " + name);
-        crc = crc32c(crc, data + done, size);
+  std::uint32_t read_runs(const std::vector<std::span<char>>& runs, std::uint32_t crc, const std::string& name) {
+    for (const auto run : runs) {
+      for (std::size_t done = 0; done < run.size(); done += kStateChunk) {
+        const std::size_t size = std::min(kStateChunk, run.size() - done);
+        read_exact(run.data() + done, size, "the payload of section " + name);
+        crc = crc32c(crc, run.data() + done, size);
       }
     }
     return crc;
