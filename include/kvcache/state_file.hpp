@@ -351,7 +351,7 @@ class StateReader {
   /// into them as the data mode says.
   template <class T>
   void rows(std::string_view tag, std::size_t index, RowStore<T>& rows, std::size_t slot, std::size_t count) {
-    Pending pending{section_name(tag, index), joined_runs<char>(rows, slot, count), 0, 0, {}};
+    Pending pending{section_name(tag, index), joined_runs<char>(rows, slot, count), 0, 0, 0, {}};
     std::uint64_t expected = 0;
     for (const auto run : pending.runs) expected += run.size();
     const SectionHeader header = read_header(tag, index);
@@ -369,6 +369,7 @@ class StateReader {
       check_crc(pending.name, read_runs({std::span<char>(pending.held)}, start, pending.name));
     } else {
       pending.offset = in_.tellg();
+      pending.at = offset_;
       std::uint32_t crc = start;
       scratch_.resize(std::min<std::size_t>(kStateChunk, expected));
       for (std::uint64_t done = 0; done < expected;) {
@@ -405,6 +406,7 @@ class StateReader {
         continue;
       }
       in_.seekg(p.offset);
+      offset_ = p.at;
       if (!in_) throw std::runtime_error("kvcache state file: section " + p.name + ": cannot seek back to read it");
       const std::uint32_t crc = read_runs(p.runs, p.start_crc, p.name);
       std::uint32_t stored = 0;
@@ -422,7 +424,8 @@ class StateReader {
   struct Pending {
     std::string name;
     std::vector<std::span<char>> runs;
-    std::istream::pos_type offset;
+    std::istream::pos_type offset;  // of the payload, in the stream
+    std::uint64_t at;               // the same, in bytes from the state's start, for messages
     std::uint32_t start_crc;
     std::vector<char> held;
   };
