@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -129,6 +130,30 @@ std::vector<Section> parse_sections(const std::string& file) {
   return sections;
 }
 
+/// A file with one byte changed, and where, for messages.
+struct Corrupted {
+  std::string what;
+  std::string bytes;
+};
+
+/// `file` with one byte flipped in each section's tag, length, first, middle and last payload
+/// bytes and checksum, one at a time.
+std::vector<Corrupted> corruptions(const std::string& file) {
+  std::vector<Corrupted> out;
+  for (const Section& s : parse_sections(file)) {
+    std::vector<std::size_t> at = {s.begin, s.begin + 9, s.end - 1};
+    if (s.payload != 0) {
+      for (const std::size_t p : {std::size_t{0}, s.payload / 2, s.payload - 1}) at.push_back(s.begin + 16 + p);
+    }
+    for (const std::size_t byte : at) {
+      std::string bad = file;
+      bad[byte] = static_cast<char>(bad[byte] ^ 0x04);
+      out.push_back({s.name + " byte " + std::to_string(byte - s.begin), std::move(bad)});
+    }
+  }
+  return out;
+}
+
 /// A stream over bytes that records where every read of `min_bytes` or more went, and may refuse
 /// to seek (a pipe) or change a byte once it has been read from the start again.
 class RecordingBuf : public std::streambuf {
@@ -188,14 +213,24 @@ using StateCaches =
                      RingKvCache<Eigen::half>, RingKvCache<Eigen::bfloat16>, RingKvCache<fp8_e4m3>,
                      RingKvCache<int8_rows>, RingKvCache<int4_groups>>;
 
-/// Everything a cache shows: each layer's history by position, its lengths, bytes, clipped
-/// count and head scales.
-struct Snapshot {
-  std::vector<std::map<std::int64_t, Row>> layers;
-  std::vector<std::size_t> lengths;
+/// What every cache shows beside its rows: bytes, clipped count and head scales.
+struct Totals {
   std::size_t bytes = 0;
   std::size_t clipped = 0;
   std::vector<float> key_scales, value_scales;
+  friend bool operator==(const Totals&, const Totals&) = default;
+};
+
+template <class Cache>
+Totals totals_of(const Cache& cache) {
+  return {cache.bytes(), cache.clipped(), cache.head_scales(false), cache.head_scales(true)};
+}
+
+/// Everything a cache shows: each layer's history by position, its lengths and totals.
+struct Snapshot {
+  std::vector<std::map<std::int64_t, Row>> layers;
+  std::vector<std::size_t> lengths;
+  Totals totals;
   friend bool operator==(const Snapshot&, const Snapshot&) = default;
 };
 
@@ -206,10 +241,7 @@ Snapshot snapshot(Cache& cache) {
     s.layers.push_back(flatten(cache.history(l)));
     s.lengths.push_back(cache.length(l));
   }
-  s.bytes = cache.bytes();
-  s.clipped = cache.clipped();
-  s.key_scales = cache.head_scales(false);
-  s.value_scales = cache.head_scales(true);
+  s.totals = totals_of(cache);
   return s;
 }
 
@@ -282,6 +314,13 @@ class StateFile : public ::testing::Test {
 
 TYPED_TEST_SUITE(StateFile, StateCaches, CacheName);
 
+/// The cases that check the framing, a variant's config or a load's input rather than rows:
+/// one format per variant (the formats differ in their rows alone, which StateFile covers).
+template <class Cache>
+class StateFileOneFormat : public StateFile<Cache> {};
+using StateVariants = ::testing::Types<KvCache<float>, ConcatKvCache<float>, RingKvCache<float>>;
+TYPED_TEST_SUITE(StateFileOneFormat, StateVariants, CacheName);
+
 TYPED_TEST(StateFile, RoundTripIsBitExactAndContinuesTheSame) {
   TypeParam original = this->filled();
   if constexpr (detail::has_head_scales<typename TypeParam::value_type>) {
@@ -336,7 +375,7 @@ TYPED_TEST(StateFile, ResetAndEmptyCachesRoundTrip) {
   load_from(loaded, saved(cache));
   // A loaded ConcatKvCache allocates its tokens' buffers only: none here.
   const auto comparable = [](Snapshot s) {
-    if constexpr (std::is_same_v<TypeParam, ConcatKvCache<typename TypeParam::value_type>>) s.bytes = 0;
+    if constexpr (std::is_same_v<TypeParam, ConcatKvCache<typename TypeParam::value_type>>) s.totals.bytes = 0;
     return s;
   };
   EXPECT_EQ(comparable(snapshot(loaded)), comparable(snapshot(cache)));
@@ -382,27 +421,17 @@ TYPED_TEST(StateFile, AFlippedByteInAnySectionIsRefusedAndTheCacheUnchanged) {
   EXPECT_EQ(std::count(names.begin(), names.end(), "ROWS"), static_cast<std::ptrdiff_t>(this->layers));
   TypeParam holding = this->holding_others();
   TypeParam empty = this->make();
-  for (const Section& s : sections) {
-    // The tag, the length, the first, middle and last payload bytes, the checksum.
-    std::vector<std::size_t> at = {s.begin, s.begin + 9, s.end - 1};
-    if (s.payload != 0) {
-      for (const std::size_t p : {std::size_t{0}, s.payload / 2, s.payload - 1}) at.push_back(s.begin + 16 + p);
-    }
-    for (const std::size_t byte : at) {
-      std::string bad = file;
-      bad[byte] = static_cast<char>(bad[byte] ^ 0x04);
-      const std::string what = s.name + " byte " + std::to_string(byte - s.begin);
-      for (TypeParam* cache : {&holding, &empty}) {
-        for (const bool seekable : {true, false}) {
-          expect_refused<std::runtime_error>(
-              *cache,
-              [&](TypeParam& c) {
-                RecordingBuf buf(bad, seekable);
-                std::istream in(&buf);
-                load_state(c, in);
-              },
-              what);
-        }
+  for (const auto& [what, bad] : corruptions(file)) {
+    for (TypeParam* cache : {&holding, &empty}) {
+      for (const bool seekable : {true, false}) {
+        expect_refused<std::runtime_error>(
+            *cache,
+            [&](TypeParam& c) {
+              RecordingBuf buf(bad, seekable);
+              std::istream in(&buf);
+              load_state(c, in);
+            },
+            what);
       }
     }
   }
@@ -428,7 +457,7 @@ TYPED_TEST(StateFile, ATruncatedFileIsRefusedAndTheCacheUnchanged) {
   }
 }
 
-TYPED_TEST(StateFile, AWrongMagicOrVersionIsRefusedNamingBoth) {
+TYPED_TEST(StateFileOneFormat, AWrongMagicOrVersionIsRefusedNamingBoth) {
   const std::string file = saved(this->filled());
   TypeParam cache = this->holding_others();
   std::string other_magic = file;
@@ -453,7 +482,7 @@ TYPED_TEST(StateFile, AWrongMagicOrVersionIsRefusedNamingBoth) {
       cache, [&](TypeParam& c) { load_from(c, "not a state file at all"); }, "text");
 }
 
-TYPED_TEST(StateFile, AnotherShapeIsRefusedNamingTheField) {
+TYPED_TEST(StateFileOneFormat, AnotherShapeIsRefusedNamingTheField) {
   const KvCacheConfig base = this->config();
   struct Other {
     std::string field;
@@ -489,7 +518,7 @@ TYPED_TEST(StateFile, AnotherShapeIsRefusedNamingTheField) {
   }
 }
 
-TYPED_TEST(StateFile, AnotherCapacityLoadsWhileTheTokensFit) {
+TYPED_TEST(StateFileOneFormat, AnotherCapacityLoadsWhileTheTokensFit) {
   TypeParam original = this->filled();  // 16 tokens
   const std::string file = saved(original);
   KvCacheConfig roomy = this->config();
@@ -506,7 +535,7 @@ TYPED_TEST(StateFile, AnotherCapacityLoadsWhileTheTokensFit) {
       smaller, [&](TypeParam& c) { load_from(c, file); }, "capacity");
 }
 
-TYPED_TEST(StateFile, InfoDescribesTheFileAndBuildsACacheThatLoadsIt) {
+TYPED_TEST(StateFileOneFormat, InfoDescribesTheFileAndBuildsACacheThatLoadsIt) {
   TypeParam original = this->filled();
   std::istringstream in(saved(original, "fingerprint"));
   const StateInfo info = read_state_info(in);
@@ -525,7 +554,7 @@ TYPED_TEST(StateFile, InfoDescribesTheFileAndBuildsACacheThatLoadsIt) {
   EXPECT_EQ(snapshot(built), snapshot(original));
 }
 
-TYPED_TEST(StateFile, AFileChangedBetweenVerifyingAndReadingResetsTheCacheAndSaysSo) {
+TYPED_TEST(StateFileOneFormat, AFileChangedBetweenVerifyingAndReadingResetsTheCacheAndSaysSo) {
   const std::string file = saved(this->filled());
   const auto sections = parse_sections(file);
   const auto rows =
@@ -542,6 +571,420 @@ TYPED_TEST(StateFile, AFileChangedBetweenVerifyingAndReadingResetsTheCacheAndSay
     EXPECT_THAT(e.what(), AllOf(HasSubstr("ROWS[1]"), HasSubstr("changed"), HasSubstr("reset")));
   }
   EXPECT_EQ(cache.length(), 0U);
+}
+
+// ---- SlotKvCache: rows of their own lengths, some slots free ------------------------------
+
+/// Everything a slot cache shows: which slots are acquired, each (layer, slot)'s tokens and
+/// history, bytes, clipped count and head scales.
+struct SlotSnapshot {
+  std::vector<bool> acquired;
+  std::vector<std::size_t> lengths;                 // [layer, slot]
+  std::vector<std::map<std::int64_t, Row>> layers;  // [layer, slot]
+  Totals totals;
+  friend bool operator==(const SlotSnapshot&, const SlotSnapshot&) = default;
+};
+
+template <class T>
+SlotSnapshot snapshot(SlotKvCache<T>& cache) {
+  SlotSnapshot s;
+  for (std::size_t row = 0; row < cache.slots(); ++row) s.acquired.push_back(cache.acquired(row));
+  for (std::size_t l = 0; l < cache.layers(); ++l) {
+    for (std::size_t row = 0; row < cache.slots(); ++row) {
+      s.lengths.push_back(cache.length(row, l));
+      s.layers.push_back(flatten(cache.history(l, Rows(row))));
+    }
+  }
+  s.totals = totals_of(cache);
+  return s;
+}
+
+template <class T>
+class SlotStateFile : public ::testing::Test {
+ protected:
+  using Cache = SlotKvCache<T>;
+  using In = input_t<T>;
+  static constexpr std::size_t layers = 3, slots = 3, kv_heads = 2, head_dim = 40, capacity = 24;
+
+  static KvCacheConfig config(std::size_t cap = capacity) {
+    return {.layers = layers, .batch = slots, .kv_heads = kv_heads, .head_dim = head_dim, .capacity = cap};
+  }
+  /// Feeds `tokens` to `row` in layers [0, until), from `seed`, scaled by `gain`.
+  static void feed(Cache& cache, std::size_t row, std::size_t tokens, std::uint64_t seed, float gain = 1.0F,
+                   std::size_t until = layers) {
+    const auto positions = arange(cache.length(row, 0), tokens);
+    for (std::size_t l = 0; l < until; ++l) {
+      Block<In> k({1, kv_heads, tokens, head_dim}, seed + 2 * l);
+      Block<In> v({1, kv_heads, tokens, head_dim}, seed + 2 * l + 1);
+      for (auto& x : k.data) x = static_cast<In>(static_cast<float>(x) * gain);
+      cache.update(l, k.view(), v.view(), positions, Rows(row));
+    }
+  }
+  /// Slot 0 holds a prompt and a decoded token, slot 1 was released, slot 2 stopped part-way
+  /// (one more token in layer 0); fp8's later, larger values are clipped.
+  static Cache filled(std::size_t cap = capacity) {
+    Cache cache(config(cap));
+    for (std::size_t row = 0; row < slots; ++row) EXPECT_EQ(cache.acquire(), row);
+    feed(cache, 0, 7, 1);
+    feed(cache, 1, 2, 20);
+    feed(cache, 2, 4, 40);
+    cache.release(1);
+    feed(cache, 0, 1, 60, 2.0F);
+    feed(cache, 2, 1, 80, 1.5F, 1);
+    return cache;
+  }
+  /// A cache whose slots hold other tokens: loads into it verify before they overwrite.
+  static Cache holding_others() {
+    Cache cache(config());
+    (void)cache.acquire();
+    (void)cache.acquire();
+    feed(cache, 1, 9, 1000);
+    return cache;
+  }
+};
+
+using SlotFormats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
+TYPED_TEST_SUITE(SlotStateFile, SlotFormats);
+
+TYPED_TEST(SlotStateFile, RoundTripIsBitExactAndContinuesTheSame) {
+  SlotKvCache<TypeParam> original = this->filled();
+  if constexpr (detail::has_head_scales<TypeParam>) {
+    ASSERT_GT(original.clipped(), 0U);
+  }
+  ASSERT_EQ(original.length(2, 0), original.length(2, 1) + 1);
+  const std::string file = saved(original, "slots");
+  EXPECT_EQ(info_of(file).variant, "SlotKvCache");
+  SlotKvCache<TypeParam> loaded(info_of(file).config);
+  EXPECT_EQ(load_from(loaded, file), "slots");
+  EXPECT_EQ(snapshot(loaded), snapshot(original));
+  EXPECT_FALSE(loaded.acquired(1));
+  EXPECT_EQ(saved(loaded, "slots"), file);
+
+  // Both continue alike: slot 2 repaired, slot 1 admitted again, slot 0 decoding.
+  for (SlotKvCache<TypeParam>* cache : {&original, &loaded}) {
+    cache->truncate(2, cache->length(2, 1));
+    EXPECT_EQ(cache->acquire(), 1U);
+    this->feed(*cache, 1, 3, 500);
+    this->feed(*cache, 0, 2, 600);
+    this->feed(*cache, 2, 1, 700);
+  }
+  EXPECT_EQ(snapshot(loaded), snapshot(original));
+}
+
+TYPED_TEST(SlotStateFile, AFlippedByteInAnySectionIsRefusedAndTheCacheUnchanged) {
+  const std::string file = saved(this->filled(), "metadata");
+  const auto sections = parse_sections(file);
+  ASSERT_TRUE(std::any_of(sections.begin(), sections.end(), [](const Section& s) { return s.name == "SLOT"; }));
+  SlotKvCache<TypeParam> holding = this->holding_others();
+  SlotKvCache<TypeParam> empty(this->config());
+  for (const auto& [what, bad] : corruptions(file)) {
+    for (SlotKvCache<TypeParam>* cache : {&holding, &empty}) {
+      for (const bool seekable : {true, false}) {
+        const SlotSnapshot before = snapshot(*cache);
+        RecordingBuf buf(bad, seekable);
+        std::istream in(&buf);
+        EXPECT_THROW(load_state(*cache, in), std::runtime_error) << what;
+        EXPECT_EQ(snapshot(*cache), before) << what;
+      }
+    }
+  }
+  load_from(holding, file);
+  SlotKvCache<TypeParam> expected = this->filled();
+  EXPECT_EQ(snapshot(holding), snapshot(expected));
+}
+
+using SlotFloatState = SlotStateFile<float>;
+
+TEST_F(SlotFloatState, LoadsIntoSlotsHoldingTokensAndRefusesWhatDoesNotFit) {
+  const Cache original = filled();
+  const std::string file = saved(original);
+  Cache expected = filled();
+  for (const bool seekable : {true, false}) {
+    Cache cache = holding_others();
+    RecordingBuf buf(file, seekable);
+    std::istream in(&buf);
+    load_state(cache, in);
+    EXPECT_EQ(snapshot(cache), snapshot(expected)) << "seekable " << seekable;
+  }
+  // A file changed between verifying and reading: slots that held tokens are read first.
+  const auto sections = parse_sections(file);
+  const auto rows =
+      std::find_if(sections.begin(), sections.end(), [](const Section& s) { return s.name == "ROWS[1]"; });
+  ASSERT_NE(rows, sections.end());
+  Cache changed = holding_others();
+  RecordingBuf buf(file, true);
+  buf.flip_on_seek_back = rows->begin + 16 + rows->payload / 2;
+  std::istream in(&buf);
+  EXPECT_THROW(load_state(changed, in), std::runtime_error);
+  EXPECT_EQ(changed.free_slots(), slots);
+
+  Cache larger(config(40));
+  load_from(larger, file);
+  for (std::size_t l = 0; l < layers; ++l) {
+    for (std::size_t row = 0; row < slots; ++row) {
+      EXPECT_EQ(flatten(larger.history(l, Rows(row))), flatten(expected.history(l, Rows(row))));
+    }
+  }
+  Cache smaller(config(7));  // slot 0 holds 8 tokens
+  const SlotSnapshot before = snapshot(smaller);
+  try {
+    load_from(smaller, file);
+    ADD_FAILURE() << "8 tokens loaded into a capacity of 7";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("slot 0 tokens: expected <= 7"), HasSubstr("found 8")));
+  }
+  EXPECT_EQ(snapshot(smaller), before);
+  KvCacheConfig more_slots = config();
+  more_slots.batch = slots + 1;
+  Cache other(more_slots);
+  EXPECT_THROW(load_from(other, file), std::invalid_argument);
+}
+
+TEST_F(SlotFloatState, AFreeSlotWithTokensIsRefused) {
+  // A crafted file: slot 1 free but holding tokens, its checksum recomputed.
+  std::string file = saved(filled());
+  const auto sections = parse_sections(file);
+  const auto slot = std::find_if(sections.begin(), sections.end(), [](const Section& s) { return s.name == "SLOT"; });
+  ASSERT_NE(slot, sections.end());
+  const std::size_t length_1 = slot->begin + 16 + slots + 8 * 1;  // layer 0, slot 1
+  file[length_1] = 3;
+  const std::uint32_t crc = detail::crc32c_portable(0, file.data() + slot->begin, 16 + slot->payload);
+  std::memcpy(file.data() + slot->end - 4, &crc, 4);
+  Cache cache = holding_others();
+  const SlotSnapshot before = snapshot(cache);
+  try {
+    load_from(cache, file);
+    ADD_FAILURE() << "loaded a free slot with tokens";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("layer 0 slot 1 tokens"), HasSubstr("free"), HasSubstr("found 3")));
+  }
+  EXPECT_EQ(snapshot(cache), before);
+}
+
+// ---- PagedKvCache: one sequence of a pool, loaded into fresh blocks of another -----------
+
+/// What a paged sequence shows: each layer's history and tokens, its blocks' count, its
+/// totals (the pool's clipped count and head scales; fp8's scales are given, nothing clips).
+struct PagedSnapshot {
+  std::vector<std::map<std::int64_t, Row>> layers;
+  std::vector<std::size_t> lengths;
+  std::size_t blocks = 0;
+  Totals totals;
+  friend bool operator==(const PagedSnapshot&, const PagedSnapshot&) = default;
+};
+
+template <class T>
+PagedSnapshot snapshot(PagedKvCache<T>& seq) {
+  PagedSnapshot s;
+  for (std::size_t l = 0; l < seq.layers(); ++l) {
+    s.layers.push_back(flatten(seq.history(l)));
+    s.lengths.push_back(seq.length(l));
+  }
+  s.blocks = seq.block_table().size();
+  s.totals = totals_of(seq);
+  return s;
+}
+
+template <class T>
+class PagedStateFile : public ::testing::Test {
+ protected:
+  using Seq = PagedKvCache<T>;
+  using Pool = BlockPool<T>;
+  using In = input_t<T>;
+  static constexpr std::size_t layers = 3, kv_heads = 2, head_dim = 40, block_tokens = 4;
+
+  /// fp8's scales are given: pools that hold other sequences then agree with the file's.
+  static BlockPoolConfig config(std::size_t blocks = 16, std::size_t tokens = block_tokens) {
+    BlockPoolConfig c{
+        .layers = layers, .kv_heads = kv_heads, .head_dim = head_dim, .block_tokens = tokens, .blocks = blocks};
+    if constexpr (detail::has_head_scales<T>) {
+      c.key_scales = scales();
+      c.value_scales = scales();
+    }
+    return c;
+  }
+  static std::span<const float> scales() {
+    static const std::vector<float> given(layers * kv_heads, 0.01F);
+    return given;
+  }
+  static std::vector<TokenId> ids(std::size_t n, TokenId first) {
+    std::vector<TokenId> v(n);
+    std::iota(v.begin(), v.end(), first);
+    return v;
+  }
+  /// Feeds `tokens` to layers [0, until) of `seq`, from `seed`.
+  static void feed(Seq& seq, std::size_t tokens, std::uint64_t seed, std::size_t until = layers) {
+    const auto positions = arange(seq.length(0), tokens);
+    for (std::size_t l = 0; l < until; ++l) {
+      Block<In> k({1, kv_heads, tokens, head_dim}, seed + 2 * l);
+      Block<In> v({1, kv_heads, tokens, head_dim}, seed + 2 * l + 1);
+      seq.update(l, k.view(), v.view(), positions);
+    }
+  }
+  /// A prompt of 10 known ids fed in chunks to 11 tokens, then one more in layer 0 only (a
+  /// pass stopped part-way): its first two blocks are keyed.
+  static void fill(Seq& seq) {
+    EXPECT_EQ(seq.reuse_prefix(ids(10, 100)), 0U);
+    feed(seq, 5, 1);
+    feed(seq, 1, 10);
+    feed(seq, 5, 20);
+    feed(seq, 1, 30, 1);
+  }
+};
+
+using PagedFormats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
+TYPED_TEST_SUITE(PagedStateFile, PagedFormats);
+
+TYPED_TEST(PagedStateFile, RoundTripIsBitExactContinuesTheSameAndIsReused) {
+  BlockPool<TypeParam> pool(this->config());
+  PagedKvCache<TypeParam> original(pool);
+  this->fill(original);
+  ASSERT_EQ(pool.keyed_blocks(), 2U);
+  const std::string file = saved(original, "paged");
+  EXPECT_EQ(info_of(file).variant, "PagedKvCache");
+
+  BlockPool<TypeParam> other(this->config());
+  PagedKvCache<TypeParam> holder(other);  // holds the pool's first blocks: the load takes others
+  this->feed(holder, 6, 900);
+  PagedKvCache<TypeParam> loaded(other);
+  EXPECT_EQ(load_from(loaded, file), "paged");
+  EXPECT_EQ(snapshot(loaded), snapshot(original));
+  EXPECT_EQ(saved(loaded, "paged"), file);
+  for (const std::size_t b : loaded.block_table()) {
+    EXPECT_EQ(std::count(holder.block_table().begin(), holder.block_table().end(), b), 0) << "block " << b;
+  }
+  EXPECT_EQ(other.keyed_blocks(), 2U);
+  other.check_invariants();
+
+  // A new sequence with the prompt takes the loaded blocks.
+  PagedKvCache<TypeParam> reuser(other);
+  EXPECT_EQ(reuser.reuse_prefix(this->ids(10, 100)), 8U);
+  EXPECT_TRUE(std::equal(reuser.block_table().begin(), reuser.block_table().end(), loaded.block_table().begin()));
+
+  // Both continue alike: the part-way pass repaired, then decoding with the ids given.
+  for (PagedKvCache<TypeParam>* seq : {&original, &loaded}) {
+    seq->truncate(seq->length(1));
+    this->feed(*seq, 3, 500);
+    seq->add_token_ids(this->ids(4, 110));
+    this->feed(*seq, 2, 600);
+  }
+  EXPECT_EQ(snapshot(loaded), snapshot(original));
+  EXPECT_EQ(pool.keyed_blocks(), 3U);
+  EXPECT_EQ(other.keyed_blocks(), 3U);
+  other.check_invariants();
+}
+
+TYPED_TEST(PagedStateFile, AFlippedByteInAnySectionIsRefusedAndNothingChanged) {
+  BlockPool<TypeParam> pool(this->config());
+  PagedKvCache<TypeParam> original(pool);
+  this->fill(original);
+  const std::string file = saved(original, "metadata");
+  const auto sections = parse_sections(file);
+  ASSERT_TRUE(std::any_of(sections.begin(), sections.end(), [](const Section& s) { return s.name == "PAGE"; }));
+
+  // The pool's free blocks: two never used, then three of a released prompt, still keyed,
+  // which the load's three blocks reach: their rows must survive every refused load.
+  BlockPool<TypeParam> other(this->config(16));
+  PagedKvCache<TypeParam> holder(other);
+  this->feed(holder, 44, 900);
+  PagedKvCache<TypeParam> keeper(other);
+  (void)keeper.reuse_prefix(this->ids(12, 7));
+  this->feed(keeper, 12, 800);
+  const PagedSnapshot kept = snapshot(keeper);
+  keeper.reset();
+  ASSERT_EQ(other.free_blocks(), 5U);
+  ASSERT_EQ(other.keyed_blocks(), 3U);
+  const PagedSnapshot held = snapshot(holder);
+  PagedKvCache<TypeParam> target(other);
+  for (const auto& [what, bad] : corruptions(file)) {
+    for (const bool seekable : {true, false}) {
+      RecordingBuf buf(bad, seekable);
+      std::istream in(&buf);
+      EXPECT_THROW(load_state(target, in), std::runtime_error) << what;
+      EXPECT_EQ(target.length(), 0U) << what;
+      EXPECT_TRUE(target.block_table().empty()) << what;
+      EXPECT_EQ(other.free_blocks(), 5U) << what;
+      EXPECT_EQ(other.keyed_blocks(), 3U) << what;
+    }
+  }
+  other.check_invariants();
+  EXPECT_EQ(snapshot(holder), held);
+  PagedKvCache<TypeParam> reuser(other);
+  EXPECT_EQ(reuser.reuse_prefix(this->ids(12, 7)), 12U);
+  EXPECT_EQ(snapshot(reuser), kept);
+  reuser.reset();
+  load_from(target, file);
+  EXPECT_EQ(snapshot(target), snapshot(original));
+  other.check_invariants();
+}
+
+using PagedFloatState = PagedStateFile<float>;
+
+TEST_F(PagedFloatState, RefusesASequenceHoldingTokensAPoolWithoutRoomAndAnotherBlockSize) {
+  Pool pool(config());
+  Seq original(pool);
+  fill(original);
+  const std::string file = saved(original);
+
+  Pool other(config());
+  Seq busy(other);
+  feed(busy, 2, 5);
+  const PagedSnapshot before = snapshot(busy);
+  try {
+    load_from(busy, file);
+    ADD_FAILURE() << "loaded into a sequence holding tokens";
+  } catch (const std::logic_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("an empty sequence"), HasSubstr("2 tokens")));
+  }
+  EXPECT_EQ(snapshot(busy), before);
+  busy.reset();
+  load_from(busy, file);
+  EXPECT_EQ(snapshot(busy), snapshot(original));
+
+  Pool full(config(4));
+  Seq filler(full);
+  feed(filler, 8, 5);  // 2 of 4 blocks; the file needs 3
+  Seq target(full);
+  try {
+    load_from(target, file);
+    ADD_FAILURE() << "loaded into a pool without room";
+  } catch (const std::length_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("at most the 2 free"), HasSubstr("3 needed")));
+  }
+  EXPECT_EQ(full.free_blocks(), 2U);
+  EXPECT_TRUE(target.block_table().empty());
+  full.check_invariants();
+
+  Pool wide(config(16, 8));
+  Seq other_size(wide);
+  try {
+    load_from(other_size, file);
+    ADD_FAILURE() << "loaded blocks of another size";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("block_tokens: expected 8"), HasSubstr("found 4")));
+  }
+  EXPECT_EQ(wide.free_blocks(), 16U);
+}
+
+TEST(PagedStateFileScales, AFileWithOtherScalesThanThePoolsIsRefused) {
+  const BlockPoolConfig config{.layers = 2, .kv_heads = 1, .head_dim = 8, .block_tokens = 4, .blocks = 8};
+  BlockPool<fp8_e4m3> pool(config), other(config);
+  PagedKvCache<fp8_e4m3> original(pool), busy(other), target(other);
+  Block<float> k({1, 1, 3, 8}, 1), larger({1, 1, 3, 8}, 2);
+  for (float& x : larger.data) x *= 4.0F;
+  for (std::size_t l = 0; l < 2; ++l) {
+    original.update(l, k.view(), k.view(), arange(0, 3));
+    busy.update(l, larger.view(), larger.view(), arange(0, 3));  // sets the other pool's scales
+  }
+  const std::string file = saved(original);
+  try {
+    load_from(target, file);
+    ADD_FAILURE() << "loaded rows encoded with other scales";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("K scale of layer 0 kv head 0"), HasSubstr("the pool's")));
+  }
+  EXPECT_TRUE(target.block_table().empty());
+  EXPECT_EQ(other.free_blocks(), 7U);
 }
 
 // ---- across variants and formats --------------------------------------------------------------
@@ -688,7 +1131,9 @@ bool same_bits(const qwen3::Matrix& a, const qwen3::Matrix& b) {
          std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(float)) == 0;
 }
 
-TYPED_TEST(StateFile, TheReferenceModelContinuesAfterALoadBitForBit) {
+/// Runs the reference model over 20 tokens, saves, loads into a new cache and continues both.
+template <class TypeParam>
+void expect_model_continues_after_load() {
   const qwen3::Config& c = tiny_model().config();
   KvCacheConfig config{.layers = c.layers, .kv_heads = c.kv_heads, .head_dim = c.head_dim, .capacity = 64};
   if constexpr (is_ring<TypeParam>) {
@@ -716,6 +1161,16 @@ TYPED_TEST(StateFile, TheReferenceModelContinuesAfterALoadBitForBit) {
       EXPECT_FALSE(same_bits(tiny_model().forward(span(first, count), unprimed), want));
     }
   }
+}
+
+TYPED_TEST(StateFile, TheReferenceModelContinuesAfterALoadBitForBit) { expect_model_continues_after_load<TypeParam>(); }
+
+TEST(StateFileModel, TheReferenceModelContinuesAfterALoadOfASlotCache) {
+  expect_model_continues_after_load<SlotKvCache<float>>();
+}
+
+TEST(StateFileModel, TheReferenceModelContinuesAfterALoadOfAPagedSequence) {
+  expect_model_continues_after_load<PooledSequence<float>>();
 }
 
 }  // namespace

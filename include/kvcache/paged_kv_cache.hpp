@@ -417,6 +417,107 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
 
   [[nodiscard]] std::size_t block() const noexcept { return pool_->block_tokens(); }
 
+  friend struct detail::StateAccess;
+
+  // State files (state_file.hpp): one sequence, not its pool. PAGE holds the block size and
+  // the token ids known; ROWS[l] the layer's tokens block after block. A load takes fresh
+  // blocks of the pool into an empty sequence; BASE's head scales must agree with the pool's
+  // (a head the pool has not set takes the file's), and the pool's clipped count stays its own.
+  [[nodiscard]] KvCacheConfig state_config() const noexcept {
+    return {.layers = layers(), .batch = 1, .kv_heads = kv_heads(), .head_dim = head_dim(), .capacity = capacity()};
+  }
+  [[nodiscard]] const detail::CacheBase& state_scale_owner() const noexcept { return *pool_; }
+  template <class Out>
+  void save_sections(Out& out) const {
+    out.section("PAGE", [&](auto& fields) {
+      fields.u64(block());
+      fields.u64(ids_.size());
+      fields.i64s(std::vector<std::int64_t>(ids_.begin(), ids_.end()));
+    });
+    for (std::size_t l = 0; l < layers(); ++l) out.blocks("ROWS", l, pool_->rows_[l], table_, block(), length(l));
+  }
+  template <class In>
+  auto load_sections(In& in) {
+    std::size_t held = 0;
+    for (std::size_t l = 0; l < layers(); ++l) held = std::max(held, length(l));
+    if (held != 0 || !table_.empty() || !ids_.empty()) {
+      throw std::logic_error(
+          "kvcache::load_state: PagedKvCache: expected an empty sequence (reset() empties it), found " +
+          std::to_string(held) + " tokens and " + std::to_string(ids_.size()) + " token ids held");
+    }
+    auto fields = in.section("PAGE", kMaxPageBytes);
+    const std::size_t block_tokens = fields.u64("block_tokens");
+    if (block_tokens != block()) {
+      throw std::invalid_argument("kvcache::load_state: the file's block_tokens: expected " + std::to_string(block()) +
+                                  " (the pool loaded into), found " + std::to_string(block_tokens));
+    }
+    const std::size_t count = fields.u64("token ids");
+    const std::vector<std::int64_t> wide = fields.i64s("token ids", count);
+    fields.finish();
+    std::vector<TokenId> ids(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      fields.require(std::in_range<TokenId>(wide[i]), "token id", "a 32-bit id", std::to_string(wide[i]));
+      ids[i] = static_cast<TokenId>(wide[i]);
+    }
+
+    // The pool's head scales, those it has not set taken from the file; others must agree.
+    std::vector<LayerScales> scales;
+    for (std::size_t l = 0; l < layers() && !in.head_scales(false).empty(); ++l) {
+      LayerScales s{std::vector<float>(kv_heads()), std::vector<float>(kv_heads())};
+      for (const bool values : {false, true}) {
+        const detail::HeadScaleView own = pool_->head_scale_view(l);
+        for (std::size_t h = 0; h < kv_heads(); ++h) {
+          const float pool = (values ? own.values : own.keys)[h];
+          const float file = in.head_scales(values)[l * kv_heads() + h];
+          if (pool != 0.0F && file != 0.0F && pool != file) {
+            throw std::invalid_argument("kvcache::load_state: the file's " + std::string(values ? "V" : "K") +
+                                        " scale of layer " + std::to_string(l) + " kv head " + std::to_string(h) +
+                                        ": expected " + std::to_string(pool) +
+                                        " (the pool's, which its blocks share), found " + std::to_string(file));
+          }
+          (values ? s.values : s.keys)[h] = pool != 0.0F ? pool : file;
+        }
+      }
+      scales.push_back(std::move(s));
+    }
+
+    // Fresh blocks: the first the pool would take (never-keyed ones first). Those free but
+    // keyed hold a prefix others may reuse: the data reaches them only once verified.
+    std::size_t longest = 0;
+    for (const std::size_t n : in.lengths()) longest = std::max(longest, n);
+    const std::size_t needed = (longest + block() - 1) / block();
+    if (needed > pool_->free_blocks()) {
+      throw std::length_error("kvcache::load_state: PagedKvCache: blocks: expected at most the " +
+                              std::to_string(pool_->free_blocks()) + " free, found " + std::to_string(needed) +
+                              " needed for " + std::to_string(longest) + " tokens");
+    }
+    std::vector<std::size_t> table(pool_->free_.begin(),
+                                   std::next(pool_->free_.begin(), static_cast<std::ptrdiff_t>(needed)));
+    if (std::any_of(table.begin(), table.end(), [&](std::size_t b) { return pool_->meta_[b].keyed; })) {
+      in.set_data(In::Data::hold);
+    }
+    for (std::size_t l = 0; l < layers(); ++l) in.blocks("ROWS", l, pool_->rows_[l], table, block(), in.lengths()[l]);
+    keys_.reserve(needed);
+
+    return [this, table = std::move(table), ids = std::move(ids), scales = std::move(scales),
+            lengths = std::vector<std::size_t>(in.lengths().begin(), in.lengths().end())]() mutable noexcept {
+      for ([[maybe_unused]] const std::size_t b : table) {
+        [[maybe_unused]] const std::size_t taken = pool_->take_free();
+        KVCACHE_ASSERT(taken == b, "a load takes the free blocks it read into");
+      }
+      table_ = std::move(table);
+      ids_ = std::move(ids);
+      for (std::size_t l = 0; l < scales.size(); ++l) pool_->commit_update(l, scales[l], 0);
+      for (std::size_t l = 0; l < layers(); ++l) set_length(l, lengths[l]);
+      try {
+        key_full_blocks();  // as an update would: a later sequence may reuse them
+      } catch (...) {       // std::bad_alloc: the blocks are only not offered for reuse
+      }
+    };
+  }
+  /// A PAGE section's bound: its ids, of a sequence the pool holds (any count the caller gave).
+  static constexpr std::size_t kMaxPageBytes = std::size_t{1} << 30;
+
   template <class In>
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {

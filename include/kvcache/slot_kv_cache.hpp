@@ -226,6 +226,60 @@ class SlotKvCache : public detail::CacheBase,
 
   [[nodiscard]] bool in_use(std::size_t row) const noexcept { return acquired_[row] != 0; }
 
+  friend struct detail::StateAccess;
+
+  // State files (state_file.hpp): SLOT holds which slots are acquired and the tokens of each
+  // (layer, slot) (BASE's per-layer lengths stay 0); ROWS[l] every slot's rows up to the
+  // layer's longest.
+  [[nodiscard]] KvCacheConfig state_config() const noexcept {
+    return {
+        .layers = layers(), .batch = batch(), .kv_heads = kv_heads(), .head_dim = head_dim(), .capacity = capacity_};
+  }
+  [[nodiscard]] static std::size_t longest(std::span<const std::size_t> layer_lengths) noexcept {
+    return layer_lengths.empty() ? 0 : *std::max_element(layer_lengths.begin(), layer_lengths.end());
+  }
+  template <class Out>
+  void save_sections(Out& out) const {
+    out.section("SLOT", [&](auto& fields) {
+      for (std::size_t row = 0; row < slots(); ++row) fields.u8(in_use(row));
+      for (const std::size_t n : lengths_) fields.u64(n);
+    });
+    for (std::size_t l = 0; l < layers(); ++l) {
+      out.rows("ROWS", l, rows_[l], 0, longest(std::span<const std::size_t>(lengths_).subspan(l * slots(), slots())));
+    }
+  }
+  template <class In>
+  auto load_sections(In& in) {
+    auto fields = in.section("SLOT", slots() + 8 * lengths_.size());
+    std::vector<unsigned char> acquired(slots());
+    for (unsigned char& a : acquired) a = fields.u8("acquired") ? 1 : 0;
+    std::vector<std::size_t> lengths(lengths_.size());
+    for (std::size_t& n : lengths) n = fields.u64("length");
+    fields.finish();
+    for (std::size_t l = 0; l < layers(); ++l) {
+      for (std::size_t row = 0; row < slots(); ++row) {
+        const std::size_t n = lengths[at(l, row)];
+        const std::string where = "layer " + std::to_string(l) + " slot " + std::to_string(row) + " tokens";
+        fields.require(acquired[row] != 0 || n == 0, where.c_str(), "0 (the slot is free)", std::to_string(n));
+        if (n > capacity_) {
+          throw std::invalid_argument("kvcache::load_state: the file's " + where +
+                                      ": expected <= " + std::to_string(capacity_) +
+                                      " (the capacity of the cache loaded into), found " + std::to_string(n));
+        }
+      }
+    }
+    // BASE says no layer holds tokens: this cache's rows are read before they are overwritten
+    // if any slot holds some.
+    if (std::any_of(lengths_.begin(), lengths_.end(), [](std::size_t n) { return n != 0; })) in.verify_first();
+    for (std::size_t l = 0; l < layers(); ++l) {
+      in.rows("ROWS", l, rows_[l], 0, longest(std::span<const std::size_t>(lengths).subspan(l * slots(), slots())));
+    }
+    return [this, acquired = std::move(acquired), lengths = std::move(lengths)]() mutable noexcept {
+      lengths_ = std::move(lengths);
+      for (std::size_t row = 0; row < acquired.size(); ++row) acquired_[row] = acquired[row];
+    };
+  }
+
   [[nodiscard]] std::vector<std::size_t> layer_lengths(std::size_t row) const {
     std::vector<std::size_t> held(layers());
     for (std::size_t l = 0; l < layers(); ++l) held[l] = lengths_[at(l, row)];

@@ -12,7 +12,9 @@
 // length, its bytes and their CRC-32C. HEAD says which variant, storage format, shape and config
 // wrote it; META is the caller's metadata string; BASE the tokens of each layer (and the head
 // scales of formats that keep them); then each variant's own sections (the rows of every layer,
-// a ring's slot positions and staged chunk). docs/state.md describes every field, what a load
+// a ring's slot positions and staged chunk, a slot cache's slots, a paged sequence's token ids).
+// A PagedKvCache saves one sequence, not its pool, and loads into an empty sequence of a pool of
+// the same geometry, taking fresh blocks. docs/state.md describes every field, what a load
 // checks, and how a new variant joins.
 //
 // A load reads a file written for the same variant, format and shape (the capacity may differ:
@@ -56,12 +58,12 @@ namespace kvcache {
 /// What a state file says of itself, read by read_state_info() without its data.
 struct StateInfo {
   std::uint32_t version = 0;
-  std::string variant;  // the cache's name: "KvCache", "ConcatKvCache", "RingKvCache"
+  std::string variant;  // the cache's name: "KvCache", "RingKvCache", "SlotKvCache", "PagedKvCache", ...
   std::string format;   // the storage format's name: "float", "bfloat16", "fp8_e4m3", ...
   /// The counts of the config the saved cache was built with (no head scales: the file brings
   /// them), enough to build a cache that loads the file.
   KvCacheConfig config;
-  std::vector<std::size_t> lengths;  // tokens held by each layer
+  std::vector<std::size_t> lengths;  // tokens held by each layer (0 for SlotKvCache: its rows' are its own)
   std::string metadata;              // the caller's string given to save_state
 };
 
@@ -227,20 +229,43 @@ class PayloadReader {
   std::size_t at_ = 0;
 };
 
+/// Appends to `runs` the stored bytes of slots [slot, slot + count) of stored row `row` (or of
+/// every row), joined where they abut.
+template <class Byte, class Store>
+void append_runs(std::vector<std::span<Byte>>& runs, Store& rows, std::size_t slot, std::size_t count,
+                 std::size_t row) {
+  std::remove_const_t<Store>::for_each_run(
+      rows, slot, count,
+      [&](auto* data, std::size_t n) {
+        auto* bytes = reinterpret_cast<Byte*>(data);
+        if (!runs.empty() && runs.back().data() + runs.back().size() == bytes) {
+          runs.back() = {runs.back().data(), runs.back().size() + n};
+        } else {
+          runs.emplace_back(bytes, n);
+        }
+      },
+      row);
+}
+
 /// The stored bytes of slots [slot, slot + count) of `rows` (a RowStore, const or not) as runs
 /// of bytes, those that abut in memory joined: a layer whose slots are all held is one run of
 /// keys and one of values, read or written by one call each.
 template <class Byte, class Store>
 std::vector<std::span<Byte>> joined_runs(Store& rows, std::size_t slot, std::size_t count) {
   std::vector<std::span<Byte>> runs;
-  std::remove_const_t<Store>::for_each_run(rows, slot, count, [&](auto* data, std::size_t n) {
-    auto* bytes = reinterpret_cast<Byte*>(data);
-    if (!runs.empty() && runs.back().data() + runs.back().size() == bytes) {
-      runs.back() = {runs.back().data(), runs.back().size() + n};
-    } else {
-      runs.emplace_back(bytes, n);
-    }
-  });
+  append_runs(runs, rows, slot, count, std::remove_const_t<Store>::kEveryRow);
+  return runs;
+}
+
+/// The stored bytes of a paged sequence's first `tokens` tokens: `block_tokens` a block, block
+/// j in stored row blocks[j] of `rows`, each block's runs as joined_runs gives them, in order.
+template <class Byte, class Store>
+std::vector<std::span<Byte>> block_runs(Store& rows, std::span<const std::size_t> blocks, std::size_t block_tokens,
+                                        std::size_t tokens) {
+  std::vector<std::span<Byte>> runs;
+  for (std::size_t j = 0; j * block_tokens < tokens; ++j) {
+    append_runs(runs, rows, 0, std::min(block_tokens, tokens - j * block_tokens), blocks[j]);
+  }
   return runs;
 }
 
@@ -266,11 +291,28 @@ class StateWriter {
     write(&crc, sizeof crc);
   }
 
+  /// A small section of the whole cache.
+  template <class Fill>
+  void section(std::string_view tag, const Fill& fill) {
+    section(tag, kWholeCache, fill);
+  }
+
   /// A data section: the stored bytes of slots [slot, slot + count) of `rows`, written from
   /// the cache's storage itself.
   template <class T>
   void rows(std::string_view tag, std::size_t index, const RowStore<T>& rows, std::size_t slot, std::size_t count) {
-    const auto runs = joined_runs<const char>(rows, slot, count);
+    write_runs(tag, index, joined_runs<const char>(rows, slot, count));
+  }
+  /// A data section: a paged sequence's first `tokens` tokens, in `block_tokens`-token blocks
+  /// held in the stored rows `blocks` of `rows`.
+  template <class T>
+  void blocks(std::string_view tag, std::size_t index, const RowStore<T>& rows, std::span<const std::size_t> blocks,
+              std::size_t block_tokens, std::size_t tokens) {
+    write_runs(tag, index, block_runs<const char>(rows, blocks, block_tokens, tokens));
+  }
+
+ private:
+  void write_runs(std::string_view tag, std::size_t index, const std::vector<std::span<const char>>& runs) {
     std::uint64_t bytes = 0;
     for (const auto run : runs) bytes += run.size();
     std::uint32_t crc = start(tag, index, bytes);
@@ -284,7 +326,6 @@ class StateWriter {
     write(&crc, sizeof crc);
   }
 
- private:
   /// Writes a section's header; returns the checksum so far.
   std::uint32_t start(std::string_view tag, std::size_t index, std::uint64_t bytes) {
     const SectionHeader header = section_header(tag, index, bytes);
@@ -347,11 +388,26 @@ class StateReader {
     return {name, std::move(payload)};
   }
 
+  /// A small section of the whole cache.
+  PayloadReader section(std::string_view tag, std::size_t max_bytes) { return section(tag, kWholeCache, max_bytes); }
+
   /// A data section holding the stored bytes of slots [slot, slot + count) of `rows`, read
   /// into them as the data mode says.
   template <class T>
   void rows(std::string_view tag, std::size_t index, RowStore<T>& rows, std::size_t slot, std::size_t count) {
-    Pending pending{section_name(tag, index), joined_runs<char>(rows, slot, count), 0, 0, 0, {}};
+    read_runs_into(tag, index, joined_runs<char>(rows, slot, count));
+  }
+  /// A data section holding a paged sequence's first `tokens` tokens, read into the stored rows
+  /// `blocks` of `rows`, `block_tokens` a block, as the data mode says.
+  template <class T>
+  void blocks(std::string_view tag, std::size_t index, RowStore<T>& rows, std::span<const std::size_t> blocks,
+              std::size_t block_tokens, std::size_t tokens) {
+    read_runs_into(tag, index, block_runs<char>(rows, blocks, block_tokens, tokens));
+  }
+
+  /// A data section read into these runs of bytes, as the data mode says.
+  void read_runs_into(std::string_view tag, std::size_t index, std::vector<std::span<char>> runs) {
+    Pending pending{section_name(tag, index), std::move(runs), 0, 0, 0, {}};
     std::uint64_t expected = 0;
     for (const auto run : pending.runs) expected += run.size();
     const SectionHeader header = read_header(tag, index);
@@ -386,9 +442,22 @@ class StateReader {
 
   /// How data sections are read from here on.
   void set_data(Data data) noexcept { data_ = data; }
+  /// Data sections from here on are verified before they reach their destinations: for a
+  /// variant whose rows something reads though BASE's lengths are 0 (it keeps its own).
+  void verify_first() {
+    if (data_ == Data::direct) data_ = seekable(in_) ? Data::verify_then_read : Data::hold;
+  }
   /// The tokens each layer of the file holds, from BASE (checked against the cache's capacity).
   void set_lengths(std::span<const std::size_t> lengths) noexcept { lengths_ = lengths; }
   [[nodiscard]] std::span<const std::size_t> lengths() const noexcept { return lengths_; }
+  /// The K and V head scales BASE holds (layers x kv_heads each, for formats with head scales).
+  void set_head_scales(std::span<const float> keys, std::span<const float> values) noexcept {
+    key_scales_ = keys;
+    value_scales_ = values;
+  }
+  [[nodiscard]] std::span<const float> head_scales(bool values) const noexcept {
+    return values ? value_scales_ : key_scales_;
+  }
   [[nodiscard]] static bool seekable(std::istream& in) { return in.tellg() != std::istream::pos_type(-1); }
 
   /// Reads the data sections that were verified or held into their destinations; the stream
@@ -495,6 +564,7 @@ class StateReader {
   std::uint32_t version_ = 0;
   Data data_ = Data::direct;
   std::span<const std::size_t> lengths_;
+  std::span<const float> key_scales_, value_scales_;
   std::vector<Pending> pending_;
   std::vector<char> scratch_;
 };
@@ -635,13 +705,26 @@ struct StateAccess {
             cache.state_config()};
   }
 
-  static void save_base(const CacheBase& cache, StateWriter& out) {
+  /// Where a cache's head scales and clipped counts live: a paged sequence's, in its pool.
+  template <class Cache>
+  static const CacheBase& scale_owner(const Cache& cache) {
+    if constexpr (requires { cache.state_scale_owner(); }) {
+      return cache.state_scale_owner();
+    } else {
+      return cache;
+    }
+  }
+
+  template <class Cache>
+  static void save_base(const Cache& cache, StateWriter& out) {
+    const CacheBase& own = cache;
+    const CacheBase& scales = scale_owner(cache);
     out.section("BASE", kWholeCache, [&](PayloadWriter& p) {
-      for (const std::size_t n : cache.lengths_) p.u64(n);
-      for (const std::size_t n : cache.clipped_) p.u64(n);
-      p.u8(cache.scales_given_);
-      for (const auto& l : cache.scales_) p.f32s(l.keys);
-      for (const auto& l : cache.scales_) p.f32s(l.values);
+      for (const std::size_t n : own.lengths_) p.u64(n);
+      for (const std::size_t n : scales.clipped_) p.u64(n);
+      p.u8(scales.scales_given_);
+      for (const auto& l : scales.scales_) p.f32s(l.keys);
+      for (const auto& l : scales.scales_) p.f32s(l.values);
     });
   }
 
@@ -652,7 +735,8 @@ struct StateAccess {
     bool scales_given = false;
     std::vector<std::size_t> clipped;
   };
-  static LoadedBase load_base(const CacheBase& cache, StateBase&& base) {
+  /// Takes BASE's lengths and clipped counts; its head scales stay for the variant to read.
+  static LoadedBase load_base(const CacheBase& cache, StateBase& base) {
     LoadedBase loaded{std::move(base.lengths), {}, base.scales_given, std::move(base.clipped)};
     const std::size_t heads = cache.kv_heads();
     const auto layer_of = [&](const std::vector<float>& all, std::size_t l) {
@@ -781,10 +865,11 @@ void save_state(const Cache& cache, const std::filesystem::path& path, std::stri
 ///
 /// Throws std::invalid_argument for a file of another variant, format or shape, and
 /// std::runtime_error for one that is not a state file of this version or is corrupt (checksum,
-/// truncation, inconsistent values), naming what was expected and what was found; the cache is
-/// unchanged then. The one exception: a seekable stream whose data changes between the
-/// verification and the read that follows it (another process writing the file) leaves the
-/// cache reset, and says so.
+/// truncation, inconsistent values), naming what was expected and what was found; for a
+/// PagedKvCache, std::logic_error unless the sequence is empty and std::length_error if its pool
+/// has too few free blocks. The cache (and a paged sequence's pool) is unchanged then. The one exception: a seekable
+/// stream whose data changes between the verification and the read that follows it (another process writing the file)
+/// leaves the cache reset, and says so.
 template <class Cache>
 std::string load_state(Cache& cache, std::istream& in) {
   static_assert(detail::StateAccess::joins<Cache>,
@@ -804,7 +889,7 @@ std::string load_state(Cache& cache, std::istream& in) {
                                   " (the capacity of the cache loaded into), found " + std::to_string(base.lengths[l]));
     }
   }
-  auto loaded = detail::StateAccess::load_base(cache, std::move(base));
+  auto loaded = detail::StateAccess::load_base(cache, base);
   // The rows of a cache that holds no tokens are read by nothing: the data may go straight
   // into them. Otherwise it is verified first (seekable) or held until verified.
   const Data data = !detail::StateAccess::holds_tokens(cache) ? Data::direct
@@ -812,6 +897,7 @@ std::string load_state(Cache& cache, std::istream& in) {
                                                               : Data::hold;
   reader.set_data(data);
   reader.set_lengths(loaded.lengths);
+  reader.set_head_scales(base.key_scales, base.value_scales);
   auto commit = detail::StateAccess::load_sections(cache, reader);
   try {
     reader.finish();

@@ -41,6 +41,9 @@ class RowStore {
         key_scales_(kRowScales ? batch * heads * slots : 0, options),
         value_scales_(kRowScales ? batch * heads * slots : 0, options) {}
 
+  /// for_each_run's row that stands for every stored row.
+  static constexpr std::size_t kEveryRow = ~std::size_t{0};
+
   [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
   [[nodiscard]] std::size_t bytes() const noexcept {
     return keys_.bytes() + values_.bytes() + key_scales_.bytes() + value_scales_.bytes();
@@ -101,13 +104,17 @@ class RowStore {
   /// Calls run(pointer, bytes) on each contiguous run of the stored bytes of slots
   /// [slot, slot + count): the keys of every (b, h) in order, then the values, then their row
   /// scales where kept here. What a state file holds of the rows (state_file.hpp); `self` is a
-  /// RowStore or a const one, and the pointers are as const as it.
+  /// RowStore or a const one, and the pointers are as const as it. `row` >= 0: that stored
+  /// row's alone (a paged sequence's block), rather than every b.
   template <class Self, class Run>
-  static void for_each_run(Self& self, std::size_t slot, std::size_t count, const Run& run) {
+  static void for_each_run(Self& self, std::size_t slot, std::size_t count, const Run& run,
+                           std::size_t row = kEveryRow) {
     KVCACHE_ASSERT(slot <= self.slots_ && count <= self.slots_ - slot, "RowStore::for_each_run: slots out of range");
+    KVCACHE_ASSERT(row == kEveryRow || row < self.batch_, "RowStore::for_each_run: row out of range");
+    const std::size_t first = row == kEveryRow ? 0 : row, end = row == kEveryRow ? self.batch_ : row + 1;
     const auto runs = [&](auto& buffer, std::size_t per_slot) {
       if (count == 0 || buffer.size() == 0) return;
-      for (std::size_t b = 0; b < self.batch_; ++b) {
+      for (std::size_t b = first; b < end; ++b) {
         for (std::size_t h = 0; h < self.heads_; ++h) {
           run(buffer.data() + self.index(b, h, slot) * per_slot, count * per_slot * sizeof(*buffer.data()));
         }
