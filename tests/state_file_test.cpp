@@ -421,7 +421,9 @@ TYPED_TEST(StateFile, AFlippedByteInAnySectionIsRefusedAndTheCacheUnchanged) {
   EXPECT_EQ(std::count(names.begin(), names.end(), "ROWS"), static_cast<std::ptrdiff_t>(this->layers));
   TypeParam holding = this->holding_others();
   TypeParam empty = this->make();
-  for (const auto& [what, bad] : corruptions(file)) {
+  for (const Corrupted& corrupted : corruptions(file)) {
+    const std::string& what = corrupted.what;
+    const std::string& bad = corrupted.bytes;
     for (TypeParam* cache : {&holding, &empty}) {
       for (const bool seekable : {true, false}) {
         expect_refused<std::runtime_error>(
@@ -677,7 +679,9 @@ TYPED_TEST(SlotStateFile, AFlippedByteInAnySectionIsRefusedAndTheCacheUnchanged)
   ASSERT_TRUE(std::any_of(sections.begin(), sections.end(), [](const Section& s) { return s.name == "SLOT"; }));
   SlotKvCache<TypeParam> holding = this->holding_others();
   SlotKvCache<TypeParam> empty(this->config());
-  for (const auto& [what, bad] : corruptions(file)) {
+  for (const Corrupted& corrupted : corruptions(file)) {
+    const std::string& what = corrupted.what;
+    const std::string& bad = corrupted.bytes;
     for (SlotKvCache<TypeParam>* cache : {&holding, &empty}) {
       for (const bool seekable : {true, false}) {
         const SlotSnapshot before = snapshot(*cache);
@@ -896,7 +900,9 @@ TYPED_TEST(PagedStateFile, AFlippedByteInAnySectionIsRefusedAndNothingChanged) {
   ASSERT_EQ(other.keyed_blocks(), 3U);
   const PagedSnapshot held = snapshot(holder);
   PagedKvCache<TypeParam> target(other);
-  for (const auto& [what, bad] : corruptions(file)) {
+  for (const Corrupted& corrupted : corruptions(file)) {
+    const std::string& what = corrupted.what;
+    const std::string& bad = corrupted.bytes;
     for (const bool seekable : {true, false}) {
       RecordingBuf buf(bad, seekable);
       std::istream in(&buf);
