@@ -89,7 +89,7 @@ class BlockPool : private detail::CacheBase {
     positions_.resize(capacity_);
     std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
     rows_.reserve(layers());
-    for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(blocks_, kv_heads(), head_dim(), block_tokens_);
+    for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(1, kv_heads(), head_dim(), blocks_ * block_tokens_);
     for (std::size_t b = 0; b < blocks_; ++b) meta_[b].free_at = free_.insert(free_.end(), b);
   }
   BlockPool(const BlockPool&) = delete;
@@ -245,13 +245,15 @@ class BlockPool : private detail::CacheBase {
   }
   /// Copies block `from`'s rows of every layer into block `to`.
   void copy_block(std::size_t from, std::size_t to) noexcept {
-    for (auto& r : rows_) r.copy_row(from, to);
+    for (auto& r : rows_) r.copy(r, from * block_tokens_, block_tokens_, to * block_tokens_);
   }
 
   std::size_t block_tokens_;
   std::size_t blocks_;
   std::size_t capacity_;
-  std::vector<detail::RowStore<T>> rows_;  // per layer, [blocks, H_kv, block_tokens, D]
+  // Per layer, [1, H_kv, blocks x block_tokens, D]: a head's blocks lie in block order, so a
+  // table of consecutive blocks is read like a contiguous history.
+  std::vector<detail::RowStore<T>> rows_;
   std::vector<Meta> meta_;
   std::list<std::size_t> free_;
   std::unordered_map<std::uint64_t, std::size_t> keyed_;
@@ -403,10 +405,8 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     segments.clear();
     for (std::size_t j = 0; j * b < end; ++j) {
       const std::size_t n = std::min(b, end - j * b);
-      Segment<T> s = pool_->rows_[layer].segment(0, n, Positions(pool_->positions_.data() + j * b, n),
-                                                 pool_->head_scale_view(layer));
-      s.rows = std::span<const std::size_t>(&table_[j], 1);
-      segments.push_back(s);
+      segments.push_back(pool_->rows_[layer].segment(table_[j] * b, n, Positions(pool_->positions_.data() + j * b, n),
+                                                     pool_->head_scale_view(layer)));
     }
     return {std::span<const Segment<T>>(segments)};
   }
@@ -553,8 +553,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     for (std::size_t done = 0; done < tokens;) {
       const std::size_t at = start + done;
       const std::size_t n = std::min(tokens - done, b - at % b);
-      clipped += pool_->rows_[layer].encode(k, v, done, n, at % b, head_scale_view(scales),
-                                            std::span<const std::size_t>(&table_[at / b], 1));
+      clipped += pool_->rows_[layer].encode(k, v, done, n, table_[at / b] * b + at % b, head_scale_view(scales));
       done += n;
     }
     pool_->commit_update(layer, scales, clipped);

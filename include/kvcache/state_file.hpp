@@ -258,13 +258,15 @@ std::vector<std::span<Byte>> joined_runs(Store& rows, std::size_t slot, std::siz
 }
 
 /// The stored bytes of a paged sequence's first `tokens` tokens: `block_tokens` a block, block
-/// j in stored row blocks[j] of `rows`, each block's runs as joined_runs gives them, in order.
+/// j in slots [blocks[j] x block_tokens, ...) of `rows`, each block's runs as joined_runs gives
+/// them, in order.
 template <class Byte, class Store>
 std::vector<std::span<Byte>> block_runs(Store& rows, std::span<const std::size_t> blocks, std::size_t block_tokens,
                                         std::size_t tokens) {
   std::vector<std::span<Byte>> runs;
   for (std::size_t j = 0; j * block_tokens < tokens; ++j) {
-    append_runs(runs, rows, 0, std::min(block_tokens, tokens - j * block_tokens), blocks[j]);
+    append_runs(runs, rows, blocks[j] * block_tokens, std::min(block_tokens, tokens - j * block_tokens),
+                std::remove_const_t<Store>::kEveryRow);
   }
   return runs;
 }

@@ -126,19 +126,6 @@ class RowStore {
     runs(self.value_scales_, 1);
   }
 
-  /// Copies every head's slots of stored row `from` to stored row `to`, with their scales.
-  void copy_row(std::size_t from, std::size_t to) noexcept {
-    const std::size_t n = heads_ * slots_;  // a row's (head, slot) pairs are contiguous
-    std::memcpy(static_cast<void*>(keys_.data() + index(to, 0, 0) * units_), keys_.data() + index(from, 0, 0) * units_,
-                n * units_ * sizeof(Unit));
-    std::memcpy(static_cast<void*>(values_.data() + index(to, 0, 0) * units_),
-                values_.data() + index(from, 0, 0) * units_, n * units_ * sizeof(Unit));
-    if constexpr (kRowScales) {
-      std::copy_n(key_scales_.data() + index(from, 0, 0), n, key_scales_.data() + index(to, 0, 0));
-      std::copy_n(value_scales_.data() + index(from, 0, 0), n, value_scales_.data() + index(to, 0, 0));
-    }
-  }
-
   /// Slots [slot, slot + count) as a segment with the given positions (and the layer's head
   /// scales, for formats that have them).
   [[nodiscard]] Segment<T> segment(std::size_t slot, std::size_t count, Positions positions,
