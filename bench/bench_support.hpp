@@ -8,9 +8,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <iterator>
 #include <numeric>
+#include <random>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -72,6 +74,16 @@ inline float read_all(const std::vector<std::pair<const float*, std::size_t>>& b
   };
   kvcache::detail::run_workers(threads, work);
   return std::accumulate(sums.begin(), sums.end(), 0.0F);
+}
+
+/// `n` floats from a standard normal distribution, seeded: the keys, values and queries the
+/// benchmarks read.
+inline std::vector<float> normal_floats(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  std::vector<float> out(n);
+  for (float& x : out) x = normal(rng);
+  return out;
 }
 
 /// KVCACHE_BENCH_SMOKE set (and not "0"): register only tiny cases, so CI runs every path in seconds.

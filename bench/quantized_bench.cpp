@@ -29,19 +29,12 @@
 namespace {
 
 using kvcache::bench::median;
+using kvcache::bench::normal_floats;
 using kvcache::bench::read_all;
 using kvcache::bench::smoke_mode;
 using kvcache::bench::time_call;
 
 constexpr std::size_t kHeads = 8, kDim = 128;
-
-std::vector<float> normal_floats(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0F, 1.0F);
-  std::vector<float> out(n);
-  for (float& x : out) x = normal(rng);
-  return out;
-}
 
 /// A cache of format T holding `tokens` keys of seeded values, written in chunks.
 template <class T>
