@@ -533,6 +533,22 @@ TEST_F(Checkpoint, IndexAndShardsThatDisagreeAreErrors) {
                                                                 "weight_map of model.safetensors.index.json"));
 }
 
+TEST_F(Checkpoint, AConfigLargerThanItsFilesIsRefusedBeforeAnythingIsAllocated) {
+  // Found by fuzz/checkpoint_fuzz: config.json's sizes were allocated before the files were
+  // checked to hold them, so a lying vocab_size or num_hidden_layers asked for terabytes.
+  qwen3::save_checkpoint(dir_, qwen3::random_weights(tiny_config()), st::Dtype::f16);
+  qwen3::Config huge = tiny_config();
+  huge.vocab = 100'000'000'000;
+  std::ofstream(dir_ / "config.json", std::ios::binary | std::ios::trunc) << qwen3::config_json(huge);
+  EXPECT_THAT(load_error(dir_), AllOf(HasSubstr("model.embed_tokens.weight': shape [256, 128], expected "
+                                                "[100000000000, 128] from config.json")));
+  huge = tiny_config();
+  huge.layers = std::size_t{1} << 60;
+  std::ofstream(dir_ / "config.json", std::ios::binary | std::ios::trunc) << qwen3::config_json(huge);
+  EXPECT_THAT(load_error(dir_), HasSubstr("tensor 'model.layers.2.input_layernorm.weight' not found in "
+                                          "model.safetensors"));
+}
+
 TEST_F(Checkpoint, MalformedIndexIsAnError) {
   save_indexed(dir_, qwen3::random_weights(tiny_config()));
   const std::vector<std::pair<std::string, std::string>> cases = {

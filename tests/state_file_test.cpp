@@ -575,6 +575,65 @@ TYPED_TEST(StateFileOneFormat, AFileChangedBetweenVerifyingAndReadingResetsTheCa
   EXPECT_EQ(cache.length(), 0U);
 }
 
+/// Sets the u64 at `at` bytes into the payload of `file`'s section `name` to `value`, its
+/// checksum recomputed as a crafted file's would be; returns the value it replaced.
+std::uint64_t patch_u64(std::string& file, const std::string& name, std::size_t at, std::uint64_t value) {
+  const auto sections = parse_sections(file);
+  const auto s = std::find_if(sections.begin(), sections.end(), [&](const Section& x) { return x.name == name; });
+  EXPECT_NE(s, sections.end()) << name;
+  if (s == sections.end()) return 0;
+  std::uint64_t old = 0;
+  std::memcpy(&old, file.data() + s->begin + 16 + at, 8);
+  std::memcpy(file.data() + s->begin + 16 + at, &value, 8);
+  const std::uint32_t crc = detail::crc32c_portable(0, file.data() + s->begin, 16 + s->payload);
+  std::memcpy(file.data() + s->end - 4, &crc, 4);
+  return old;
+}
+
+TEST(StateFileCrafted, HeadsLayersBeyondBasesPayloadAreRefusedBeforeAnythingIsSized) {
+  // Found by fuzz/state_fuzz: read_state_info sized BASE's per-layer lists from HEAD's layers
+  // before checking that BASE holds them, so a crafted HEAD (checksums recomputed) asked for
+  // 2^44 lengths.
+  KvCache<float> cache({.layers = 2, .kv_heads = 1, .head_dim = 4, .capacity = 4});
+  std::string file = saved(cache);
+  // HEAD: variant and format (u32 length + characters each), unit bytes, units, two flags, layers.
+  ASSERT_EQ(patch_u64(file, "HEAD", 4 + 7 + 4 + 5 + 8 + 8 + 1 + 1, std::uint64_t{1} << 44), 2U);
+  try {
+    (void)info_of(file);
+    ADD_FAILURE() << "read a BASE too short for HEAD's layers";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("section BASE: payload bytes: expected 281474976710657 (for HEAD's "
+                                          "17592186044416 layers)"),
+                                HasSubstr("found 33")));
+  }
+  const Snapshot before = snapshot(cache);
+  EXPECT_THROW(load_from(cache, file), std::invalid_argument);  // HEAD's layers are not the cache's
+  EXPECT_EQ(snapshot(cache), before);
+}
+
+TEST(StateFileCrafted, ARingsStagingAreaBeyondItsCapacityIsRefusedBeforeItIsAllocated) {
+  // Found by fuzz/state_fuzz: a ring allocated the staging area a crafted RING section asked for
+  // (2^40 tokens here), which no chunk within the capacity can need.
+  const KvCacheConfig config{.layers = 1, .kv_heads = 1, .head_dim = 4, .capacity = 12, .window = 3, .sinks = 1};
+  RingKvCache<float> saved_ring(config);
+  Block<float> k({1, 1, 5, 4}, 1);
+  saved_ring.update(0, k.view(), k.view(), arange(0, 5));  // a chunk the ring stages
+  std::string file = saved(saved_ring);
+  ASSERT_EQ(patch_u64(file, "RING[0]", 16, std::uint64_t{1} << 40), 5U);  // after stored_end and oldest
+  RingKvCache<float> cache(config);
+  Block<float> other({1, 1, 2, 4}, 2);
+  cache.update(0, other.view(), other.view(), arange(0, 2));
+  const Snapshot before = snapshot(cache);
+  try {
+    load_from(cache, file);
+    ADD_FAILURE() << "loaded a staging area of 2^40 tokens";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("section RING[0]: staging tokens: expected <= the capacity 12"),
+                                HasSubstr("found 1099511627776")));
+  }
+  EXPECT_EQ(snapshot(cache), before);
+}
+
 // ---- SlotKvCache: rows of their own lengths, some slots free ------------------------------
 
 /// Everything a slot cache shows: which slots are acquired, each (layer, slot)'s tokens and

@@ -288,8 +288,12 @@ inline std::map<std::string, std::string> read_index(const std::filesystem::path
     }
   }
 
-  Weights w = Weights::zeros(config);
-  for_each_tensor(w, [&](const std::string& name, auto& tensor, const std::vector<std::size_t>& expected) {
+  // Every tensor config.json names must be in the files, in its shape, before anything is
+  // allocated for it: sizes that no file backs are refused, not allocated. A config with more
+  // layers than the files hold tensors misses one within the first where.size() + 1 layers.
+  const Weights names{
+      config, {}, std::vector<LayerWeights>(std::min<std::size_t>(config.layers, where.size() + 1)), {}, {}};
+  for_each_tensor(names, [&](const std::string& name, const auto&, const std::vector<std::size_t>& expected) {
     const auto it = where.find(name);
     if (it == where.end()) {
       if (indexed) {
@@ -310,6 +314,11 @@ inline std::map<std::string, std::string> read_index(const std::filesystem::path
                                safetensors::shape_str(info->shape) + ", expected " + safetensors::shape_str(want) +
                                " from config.json");
     }
+  });
+  Weights w = Weights::zeros(config);
+  for_each_tensor(w, [&](const std::string& name, auto& tensor, const std::vector<std::size_t>&) {
+    const auto it = where.find(name);
+    auto& [f, info] = it->second;
     files[f].read(*info, std::span<float>(tensor.data(), static_cast<std::size_t>(tensor.size())));
     where.erase(it);
   });

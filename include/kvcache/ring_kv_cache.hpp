@@ -206,6 +206,10 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
       const std::size_t staged = length - stored_end;
       check("staging tokens", staging_tokens >= staged, ">= the staged tokens " + std::to_string(staged),
             staging_tokens);
+      // The staging area is as large as the largest chunk, which no capacity lets exceed it: a
+      // larger one is allocated for nothing (or for a lying file).
+      check("staging tokens", staging_tokens <= capacity_,
+            "<= the capacity " + std::to_string(capacity_) + " of the cache loaded into", staging_tokens);
       std::vector<std::int64_t> positions = fields.i64s("slot positions", slots());
       for (std::size_t slot = 0; slot < positions.size(); ++slot) {
         const std::int64_t p = positions[slot];  // -1: never written

@@ -194,6 +194,8 @@ class PayloadReader {
     if (!ok) throw std::runtime_error(file_error(where(field), expected, found));
   }
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// The payload's bytes, read or not.
+  [[nodiscard]] std::size_t size() const noexcept { return bytes_.size(); }
   /// "section RING[3]: stored_end" for messages.
   [[nodiscard]] std::string where(const char* field) const { return "section " + name_ + ": " + field; }
 
@@ -615,13 +617,18 @@ inline StateHead read_head(StateReader& in) {
 inline StateBase read_base(StateReader& in, const StateHead& head) {
   const std::size_t layers = head.config.layers;
   const std::size_t heads = head.head_scales ? std::size_t{head.config.kv_heads} : 0;
-  constexpr std::size_t kMax = std::numeric_limits<std::size_t>::max() / 16;  // the bytes below then fit
+  constexpr std::size_t kMax = std::numeric_limits<std::size_t>::max() / 32;  // the bytes below then fit
   if (layers > kMax || (heads != 0 && layers > kMax / heads)) {
     throw std::runtime_error(file_error("section HEAD: layers x kv_heads", "at most " + std::to_string(kMax),
                                         std::to_string(layers) + " x " + std::to_string(head.config.kv_heads)));
   }
   const std::size_t scales = layers * heads;
-  PayloadReader p = in.section("BASE", kWholeCache, 16 * layers + 1 + 8 * scales);
+  const std::size_t bytes = 16 * layers + 1 + 8 * scales;
+  PayloadReader p = in.section("BASE", kWholeCache, bytes);
+  // HEAD's counts size what follows: a payload too short for them is refused before anything is
+  // allocated for them (read_state_info checks them against no cache).
+  p.require(p.size() == bytes, "payload bytes",
+            std::to_string(bytes) + " (for HEAD's " + std::to_string(layers) + " layers)", std::to_string(p.size()));
   StateBase base;
   base.lengths.resize(layers);
   for (std::size_t& n : base.lengths) n = p.u64("length");
