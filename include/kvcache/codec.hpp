@@ -26,6 +26,8 @@
 //     static float scale_for(float amax) noexcept;      // set from a head's first update, and
 //     template <class In>                               // encode given it; returns the values
 //     static std::size_t encode(const In*, unit*, std::size_t, float scale) noexcept;  // clipped
+//     static constexpr int load_exponent = 120;          // load gives the values times 2^-120,
+//                                                       // which the kernel folds into its scales
 //
 // A format with head_scales also has row_scales: its segments repeat the head's scale for
 // every row (a token stride of 0), so the kernel reads both kinds the same way.
@@ -220,6 +222,17 @@ template <class T>
 inline constexpr bool has_head_scales = requires {
   requires storage_codec<T>::head_scales;
 };
+
+/// The power of two format T's load leaves out of its values (0 unless the codec names one):
+/// load gives value x 2^-load_exponent, and the kernel puts the power back in its scales.
+template <class T>
+constexpr int load_exponent() noexcept {
+  if constexpr (requires { storage_codec<T>::load_exponent; }) {
+    return storage_codec<T>::load_exponent;
+  } else {
+    return 0;
+  }
+}
 
 /// Whether update() checks every input value of format T (finite, within max_magnitude).
 template <class T>

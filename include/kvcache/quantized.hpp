@@ -119,13 +119,16 @@ struct storage_codec<fp8_e4m3> {
     }
     return clipped;
   }
+  /// load gives the value times 2^-120: integer operations alone, which leave the vector
+  /// unit's multipliers to the dot products; the kernel puts 2^120 back in its scales.
+  static constexpr int load_exponent = 120;
   template <std::size_t B>
   KVCACHE_ALWAYS_INLINE static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
     // Sign-extended, shifted so the exponent and mantissa sit in a float's place, the sign's
-    // copies masked off: the value times 2^-120.
+    // copies masked off.
     const auto wide = detail::widen_bytes<B, true>(row + d) << 20;
     const auto bits = wide & static_cast<std::int32_t>(0x87F00000U);
-    return std::bit_cast<detail::Vec<float, B>>(bits) * 0x1p120F;
+    return std::bit_cast<detail::Vec<float, B>>(bits);
   }
   static float value(const unit* row, std::size_t d) noexcept { return detail::float_of_e4m3(row[d]); }
 };

@@ -109,6 +109,15 @@ QueryRows<Acc> query_rows(const TensorView<const Q>& q, const Positions& positio
   return rows;
 }
 
+/// 2^e, exactly, at compile time.
+template <class Acc>
+constexpr Acc power_of_two(int e) noexcept {
+  Acc x = 1;
+  for (; e > 0; --e) x *= 2;
+  for (; e < 0; ++e) x /= 2;
+  return x;
+}
+
 /// One work item: queries [first_query, first_query + queries) of kv head `kv_head` in batch
 /// row `batch`, over keys [key_begin, key_end) of that row's history.
 struct AttentionItem {
@@ -133,6 +142,15 @@ class AttentionKernel {
   using V = Vec<Acc, B>;
   static constexpr std::size_t W = kLanes<V>;
 
+  // A codec's load may leave 2^-e out of its values (load_exponent): 2^(e/2) goes back in the
+  // queries and the V weights, the rest in the scores and the output, so that products of small
+  // values stay in float's normal range (and survive flush-to-zero).
+  static constexpr int kLoadExponent = load_exponent<T>();
+  static_assert(kLoadExponent == 0 || Codec::row_scales, "a load exponent is put back with the row scales");
+  static constexpr Acc kLowerHalf = power_of_two<Acc>(kLoadExponent / 2);
+  static constexpr Acc kUpperHalf = power_of_two<Acc>(kLoadExponent - kLoadExponent / 2);
+  static constexpr Acc kUnload = power_of_two<Acc>(-kLoadExponent);  // for values read one at a time
+
   /// One worker's scratch: a block's queries and running state, a tile's keys and scores.
   struct Workspace {
     std::vector<Acc> queries, acc, max, sum, scores;
@@ -147,7 +165,7 @@ class AttentionKernel {
       : q_(q),
         segments_(history.segments),
         rule_(rule),
-        scale_(scale),
+        scale_(scale * kLowerHalf),
         dim_(q.shape.head_dim),
         group_(q.shape.heads / history.segments.front().keys.heads()),
         block_queries_(std::clamp<std::size_t>(kTargetRows / group_, 1, std::max<std::size_t>(q.shape.tokens, 1))),
@@ -251,7 +269,7 @@ class AttentionKernel {
   void write_row(const AttentionItem& item, std::size_t r, const Acc* acc, Acc sum) const noexcept {
     const std::size_t t = item.first_query + r / group_;
     q_.write(q_.out + q_.offset(q_.out_strides, item.batch, head_of(item, r), t), acc, dim_,
-             sum > 0 ? Acc{1} / sum : Acc{0});  // no visible key: zeros
+             sum > 0 ? kUpperHalf / sum : Acc{0});  // no visible key: zeros
   }
 
   void run_tile(const AttentionItem& item, std::size_t rows, const TileKeys<Unit>& tile, Workspace& w) const noexcept {
@@ -275,12 +293,12 @@ class AttentionKernel {
     for (std::size_t r = 0; r < rows; ++r) {
       Acc* scores = w.scores.data() + r * scores_stride();
       if constexpr (Codec::row_scales) {
-        for (std::size_t j = 0; j < n; ++j) scores[j] *= tile.key_scales[j];
+        for (std::size_t j = 0; j < n; ++j) scores[j] *= tile.key_scales[j] * kUpperHalf;
       }
       mask(q_.position(item.batch, item.first_query + r / group_), tile, scores);
       if (!softmax_step(scores, n, w.max[r], w.sum[r], w.acc.data() + r * dim_)) continue;
       if constexpr (Codec::row_scales) {
-        for (std::size_t j = 0; j < n; ++j) scores[j] *= tile.value_scales[j];
+        for (std::size_t j = 0; j < n; ++j) scores[j] *= tile.value_scales[j] * kLowerHalf;
       }
       w.active.push_back(r);
     }
@@ -390,7 +408,9 @@ class AttentionKernel {
       Acc lanes[W];
       store(lanes, transpose_sum(acc));
       for (std::size_t d = body; d < dim_; ++d) {
-        for (std::size_t i = 0; i < W; ++i) lanes[i] += q[i / K][d] * static_cast<Acc>(Codec::value(rows[i % K], d));
+        for (std::size_t i = 0; i < W; ++i) {
+          lanes[i] += q[i / K][d] * static_cast<Acc>(Codec::value(rows[i % K], d)) * kUnload;
+        }
       }
       // Whole groups of K, a fixed-size copy: a row's scores have room for a group past the tile.
       for (std::size_t r = 0; r < R; ++r) std::memcpy(out[r] + j, lanes + r * K, K * sizeof(Acc));
@@ -417,7 +437,7 @@ class AttentionKernel {
     for (; d < dim_; ++d) {
       for (std::size_t j = j0; j < j1; ++j) {
         const auto x = static_cast<Acc>(Codec::value(tile.values[j], d));
-        for (std::size_t r = 0; r < R; ++r) acc[r][d] += weights[r][j] * x;
+        for (std::size_t r = 0; r < R; ++r) acc[r][d] += weights[r][j] * x * kUnload;
       }
     }
   }
