@@ -634,6 +634,25 @@ TEST(StateFileCrafted, ARingsStagingAreaBeyondItsCapacityIsRefusedBeforeItIsAllo
   EXPECT_EQ(snapshot(cache), before);
 }
 
+TEST(StateFileCrafted, ARingWithoutCapacityAllocatesOnlyTheStagedTokensAFileHolds) {
+  // Without a capacity nothing bounds a saved staging area: the loaded ring allocates the staged
+  // tokens the file holds, and a later larger chunk grows it as it would have.
+  const KvCacheConfig config{.layers = 1, .kv_heads = 1, .head_dim = 4, .window = 3, .sinks = 1};
+  RingKvCache<float> saved_ring(config);
+  Block<float> k({1, 1, 5, 4}, 1);
+  saved_ring.update(0, k.view(), k.view(), arange(0, 5));  // a chunk the ring stages
+  std::string file = saved(saved_ring);
+  ASSERT_EQ(patch_u64(file, "RING[0]", 16, std::uint64_t{1} << 40), 5U);
+  RingKvCache<float> cache(config);
+  load_from(cache, file);
+  EXPECT_EQ(cache.bytes(), saved_ring.bytes());  // five staged tokens, not 2^40
+  EXPECT_EQ(flatten(cache.history(0)), flatten(saved_ring.history(0)));
+  Block<float> more({1, 1, 7, 4}, 3);
+  cache.update(0, more.view(), more.view(), arange(5, 7));
+  saved_ring.update(0, more.view(), more.view(), arange(5, 7));
+  EXPECT_EQ(flatten(cache.history(0)), flatten(saved_ring.history(0)));
+}
+
 // ---- SlotKvCache: rows of their own lengths, some slots free ------------------------------
 
 /// Everything a slot cache shows: which slots are acquired, each (layer, slot)'s tokens and

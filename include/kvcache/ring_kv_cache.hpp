@@ -210,6 +210,9 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
       // larger one is allocated for nothing (or for a lying file).
       check("staging tokens", staging_tokens <= capacity_,
             "<= the capacity " + std::to_string(capacity_) + " of the cache loaded into", staging_tokens);
+      // Without a capacity nothing bounds the saved area but the file's own staged tokens: those
+      // are allocated, and a later larger chunk grows the area as it would have.
+      const std::size_t area = capacity_ == std::numeric_limits<std::size_t>::max() ? staged : staging_tokens;
       std::vector<std::int64_t> positions = fields.i64s("slot positions", slots());
       for (std::size_t slot = 0; slot < positions.size(); ++slot) {
         const std::int64_t p = positions[slot];  // -1: never written
@@ -223,9 +226,9 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
       }
       fields.finish();
       Staging staging;
-      if (staging_tokens != 0) {
-        detail::check_footprint("RingKvCache", geometry(), staging_tokens, sizeof(typename storage_codec<T>::unit));
-        staging = Staging(geometry(), staging_tokens);
+      if (area != 0) {
+        detail::check_footprint("RingKvCache", geometry(), area, sizeof(typename storage_codec<T>::unit));
+        staging = Staging(geometry(), area);
         std::copy(staged_positions.begin(), staged_positions.end(), staging.positions.begin());
       }
       loaded.push_back({stored_end, oldest, std::move(positions), std::move(staging)});
