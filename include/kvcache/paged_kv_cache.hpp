@@ -368,9 +368,13 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   /// whole prompt, truncate(prompt - 1) and feed its last token for its logits.
   /// std::logic_error unless the sequence is empty.
   std::size_t reuse_prefix(std::span<const TokenId> prompt) {
-    if (length() != 0 || !ids_.empty()) {
-      throw std::logic_error(detail::expected_given("PagedKvCache::reuse_prefix", "an empty sequence",
-                                                    std::to_string(length()) + " tokens held"));
+    // Every layer's length, not length(): that throws when a pass stopped part-way.
+    std::size_t held = 0;
+    for (std::size_t l = 0; l < layers(); ++l) held = std::max(held, length(l));
+    if (held != 0 || !ids_.empty()) {
+      throw std::logic_error(detail::expected_given(
+          "PagedKvCache::reuse_prefix", "an empty sequence",
+          std::to_string(held) + " tokens and " + std::to_string(ids_.size()) + " token ids held"));
     }
     const std::size_t b = block();
     std::uint64_t parent = 0;

@@ -59,7 +59,8 @@ class SlotKvCache : public detail::CacheBase,
         every_row_(batch()),
         lengths_(layers() * batch(), 0),
         acquired_(batch()),
-        views_(layers()) {
+        views_(layers()),
+        read_views_(layers()) {
     std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
     std::iota(every_row_.begin(), every_row_.end(), std::size_t{0});
     std::fill(acquired_.begin(), acquired_.end(), 0);
@@ -183,15 +184,16 @@ class SlotKvCache : public detail::CacheBase,
   }
 
   /// Every slot's history in `layer` as update() returns it, without writing: batch row b reads
-  /// slot b (a free slot, nothing). Valid until the next mutating call on that layer.
+  /// slot b (a free slot, nothing). Valid until the next mutating call on that layer or the next
+  /// history() of it; leaves what update() returned intact.
   [[nodiscard]] History<T> history(std::size_t layer) { return history(layer, Rows(every_row_)); }
-  /// The listed rows' histories in `layer`, batch row i reading rows[i]; std::out_of_range for
-  /// a bad layer or row.
+  /// The listed rows' histories in `layer`, batch row i reading rows[i], valid as history(layer)'s;
+  /// std::out_of_range for a bad layer or row.
   [[nodiscard]] History<T> history(std::size_t layer, Rows rows) {
     if (layer >= layers()) detail::check_layer("SlotKvCache::history", layer, layers());
     for (std::size_t i = 0; i < rows.size(); ++i)
       check_row("SlotKvCache::history", "rows[" + std::to_string(i) + "]", rows[i]);
-    return view(layer, rows);
+    return view(read_views_[layer], layer, rows);
   }
 
  private:
@@ -340,14 +342,13 @@ class SlotKvCache : public detail::CacheBase,
       length += k.tokens();
     }
     commit_update(layer, scales, clipped);
-    return view(layer, rows);
+    return view(views_[layer], layer, rows);
   }
 
   /// The history of `rows` in `layer`: one segment over the layer's slots, each batch row
   /// reading its slot's first keys.
-  History<T> view(std::size_t layer, Rows rows) {
+  History<T> view(LayerView& lv, std::size_t layer, Rows rows) {
     if (rows.empty()) return {};  // no batch row (an empty list of rows would read them all)
-    LayerView& lv = views_[layer];
     lv.rows.assign(rows.begin(), rows.end());
     lv.row_tokens.resize(rows.size());
     std::size_t longest = 0;
@@ -370,6 +371,8 @@ class SlotKvCache : public detail::CacheBase,
   // may run on different threads.
   std::vector<std::atomic<unsigned char>> acquired_;
   std::vector<LayerView> views_;  // per layer, what the last update returned
+  // Per layer, what the last history() returned: a read leaves the last update's view intact.
+  std::vector<LayerView> read_views_;
 };
 
 static_assert(row_cache_protocol<SlotKvCache<float>>);
