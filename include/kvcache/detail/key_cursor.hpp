@@ -84,6 +84,15 @@ class KeyCursor {
   }
 
  private:
+  /// n scales `stride` apart (0: one scale for every row) into `to`.
+  static void copy_scales(const float* from, std::size_t stride, std::size_t n, float* __restrict to) noexcept {
+    if (stride == 0) {
+      std::fill_n(to, n, *from);
+    } else {
+      for (std::size_t i = 0; i < n; ++i) to[i] = from[i * stride];
+    }
+  }
+
   /// Adds the kept keys among [from, from + n) of segment s.
   void gather(const Segment<T>& s, std::size_t from, std::size_t n, TileKeys<Unit>& tile,
               const KeyBounds& bounds) const noexcept {
@@ -91,12 +100,13 @@ class KeyCursor {
     const std::int64_t* p = s.positions.row(r).data() + from;
     std::int64_t low = p[0];
     std::int64_t high = p[0];
-    bool ascending = true;
+    unsigned descents = 0;  // counted, not short-circuited: the loop vectorizes
     for (std::size_t i = 1; i < n; ++i) {
       low = std::min(low, p[i]);
       high = std::max(high, p[i]);
-      ascending = ascending && p[i - 1] <= p[i];
+      descents |= static_cast<unsigned>(p[i - 1] > p[i]);
     }
+    const bool ascending = descents == 0;
     if (high < bounds.oldest && (low >= bounds.sinks_end || high < 0)) return;  // before every window, no sink
     if (low > bounds.latest) return;
     const bool all = bounds.keeps(low) && bounds.keeps(high) && (low >= bounds.oldest || high < bounds.sinks_end);
@@ -116,7 +126,17 @@ class KeyCursor {
       ++t;
     };
     if (all) {
-      for (std::size_t i = 0; i < n; ++i) add(i);
+      // A loop per array, each writing one and reading nothing it writes: they vectorize.
+      const Unit** __restrict keys = tile.keys + t;
+      const Unit** __restrict values = tile.values + t;
+      for (std::size_t i = 0; i < n; ++i) keys[i] = k + i * ks;
+      for (std::size_t i = 0; i < n; ++i) values[i] = v + i * vs;
+      std::copy_n(p, n, tile.positions + t);
+      if (tile.key_scales != nullptr) {
+        copy_scales(s.key_scales.at(r, h_, from), s.key_scales.strides.tokens, n, tile.key_scales + t);
+        copy_scales(s.value_scales.at(r, h_, from), s.value_scales.strides.tokens, n, tile.value_scales + t);
+      }
+      t += n;
     } else {
       for (std::size_t i = 0; i < n; ++i) {
         if (bounds.keeps(p[i])) add(i);
