@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // Writes the seed corpora of state_fuzz and checkpoint_fuzz: a state file saved from every
 // variant x format (fuzz/state_fuzz_support.hpp's small caches), and config.json texts, small
-// safetensors files, an index and a tiny checkpoint. Not built by CMake; from the repository:
+// safetensors files, an index and a tiny checkpoint. Built on request (target fuzz_make_seeds):
 //
-//   clang++ -std=c++20 -O1 -Iinclude -Iexamples -Ifuzz -I/usr/include/eigen3 fuzz/make_seeds.cpp -o /tmp/make_seeds
-//   /tmp/make_seeds fuzz/corpus
+//   cmake --build build/fuzz --target fuzz_make_seeds
+//   build/fuzz/fuzz/fuzz_make_seeds fuzz/corpus
 
 #include <cstddef>
 #include <cstdint>
