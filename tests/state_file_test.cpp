@@ -634,6 +634,29 @@ TEST(StateFileCrafted, ARingsStagingAreaBeyondItsCapacityIsRefusedBeforeItIsAllo
   EXPECT_EQ(snapshot(cache), before);
 }
 
+TEST(StateFileCrafted, ARingSlotHoldingAnotherPositionThanTheHistoryReadsIsRefused) {
+  // Found by fuzz/state_fuzz in CI: a slot the history reads said position 6 (its slot's, but
+  // past the layer's length of 4), and the loaded history held it.
+  const KvCacheConfig config{.layers = 1, .kv_heads = 1, .head_dim = 4, .capacity = 32, .window = 4, .sinks = 1};
+  RingKvCache<float> saved_ring(config);
+  for (std::size_t t = 0; t < 4; ++t) {
+    Block<float> k({1, 1, 1, 4}, t);
+    saved_ring.update(0, k.view(), k.view(), arange(t, 1));
+  }
+  std::string file = saved(saved_ring);
+  ASSERT_EQ(patch_u64(file, "RING[0]", 24 + 2 * 8, 6), 2U);  // slot 2 of stored_end, oldest, staging, slots
+  RingKvCache<float> cache(config);
+  const Snapshot before = snapshot(cache);
+  try {
+    load_from(cache, file);
+    ADD_FAILURE() << "loaded a slot holding position 6 into a layer of 4 tokens";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(),
+                AllOf(HasSubstr("section RING[0]: slot positions: expected 2 in slot 2"), HasSubstr("found 6")));
+  }
+  EXPECT_EQ(snapshot(cache), before);
+}
+
 TEST(StateFileCrafted, ARingWithoutCapacityAllocatesOnlyTheStagedTokensAFileHolds) {
   // Without a capacity nothing bounds a saved staging area: the loaded ring allocates the staged
   // tokens the file holds, and a later larger chunk grows it as it would have.

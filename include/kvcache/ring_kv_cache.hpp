@@ -219,6 +219,18 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
         check("slot positions", p == -1 || (p >= 0 && slot_of(static_cast<std::size_t>(p)) == slot),
               "-1 or a position that slot " + std::to_string(slot) + " holds", p);
       }
+      // What a history reads from the slots (the sinks, and from oldest on) must be there: each
+      // of those positions in its own slot, so no more of them than the ring has slots.
+      const std::size_t held_from = std::max(sinks_, oldest);
+      check("oldest", stored_end <= held_from || stored_end - held_from <= ring_,
+            ">= stored_end - " + std::to_string(ring_) + " (the slots after the sinks)", oldest);
+      const auto expect_held = [&](std::size_t p) {
+        check("slot positions", positions[slot_of(p)] == static_cast<std::int64_t>(p),
+              std::to_string(p) + " in slot " + std::to_string(slot_of(p)) + ", which a history reads",
+              positions[slot_of(p)]);
+      };
+      for (std::size_t p = 0; p < std::min(sinks_, stored_end); ++p) expect_held(p);
+      for (std::size_t p = held_from; p < stored_end; ++p) expect_held(p);
       const std::vector<std::int64_t> staged_positions = fields.i64s("staged positions", staged);
       for (std::size_t i = 0; i < staged; ++i) {
         check("staged positions", staged_positions[i] == static_cast<std::int64_t>(stored_end + i),
