@@ -340,6 +340,16 @@ class Format {
     return e;
   }
 
+  /// encode()'s row for a token a reused block already holds: nothing is written, so nothing
+  /// saturates again.
+  Entry<T> encode_held(const Chunk<In>& c, std::size_t b, std::size_t t,
+                       const std::pair<std::vector<float>, std::vector<float>>& scales) {
+    const std::size_t before = clipped_;
+    Entry<T> e = encode(c, b, t, scales);
+    clipped_ = before;
+    return e;
+  }
+
   /// The scale the history must give row `e`'s head h (0 for formats without).
   [[nodiscard]] float scale_of(const Entry<T>& e, std::size_t layer, std::size_t h, bool values) const {
     if constexpr (kHeadScales) return (values ? values_ : keys_)[layer * heads_ + h];
@@ -1538,7 +1548,7 @@ class PagedHarness {
     for (std::size_t layer = 0; layer < s_.layers; ++layer) {
       const Chunk<In> c = canonical(s, layer, 0, skip);
       const auto scales = format_.prepared(layer, c);  // the pool's own: a reused block was written with them
-      for (std::size_t t = 0; t < skip; ++t) s.layers[layer].push_back(format_.encode(c, 0, t, scales));
+      for (std::size_t t = 0; t < skip; ++t) s.layers[layer].push_back(format_.encode_held(c, 0, t, scales));
     }
   }
 
