@@ -354,8 +354,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     for (const std::size_t b : table_) pool_->hold(b);
     copy.table_ = table_;
     // Ids of tokens not yet held stay with this sequence: a fork may continue differently.
-    std::size_t held = 0;
-    for (std::size_t l = 0; l < layers(); ++l) held = std::max(held, length(l));
+    const std::size_t held = held_tokens();
     copy.ids_.assign(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(std::min(held, ids_.size())));
     copy.keys_ = keys_;
     for (std::size_t l = 0; l < layers(); ++l) copy.set_length(l, length(l));
@@ -368,9 +367,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   /// whole prompt, truncate(prompt - 1) and feed its last token for its logits.
   /// std::logic_error unless the sequence is empty.
   std::size_t reuse_prefix(std::span<const TokenId> prompt) {
-    // Every layer's length, not length(): that throws when a pass stopped part-way.
-    std::size_t held = 0;
-    for (std::size_t l = 0; l < layers(); ++l) held = std::max(held, length(l));
+    const std::size_t held = held_tokens();  // not length(): that throws when a pass stopped part-way
     if (held != 0 || !ids_.empty()) {
       throw std::logic_error(detail::expected_given(
           "PagedKvCache::reuse_prefix", "an empty sequence",
@@ -442,8 +439,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   }
   template <class In>
   auto load_sections(In& in) {
-    std::size_t held = 0;
-    for (std::size_t l = 0; l < layers(); ++l) held = std::max(held, length(l));
+    const std::size_t held = held_tokens();
     if (held != 0 || !table_.empty() || !ids_.empty()) {
       throw std::logic_error(
           "kvcache::load_state: PagedKvCache: expected an empty sequence (reset() empties it), found " +
@@ -582,12 +578,17 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     }
   }
 
+  /// The most tokens any layer holds (the layers differ while a pass is part-way).
+  [[nodiscard]] std::size_t held_tokens() const noexcept {
+    std::size_t held = 0;
+    for (std::size_t l = 0; l < layers(); ++l) held = std::max(held, length(l));
+    return held;
+  }
+
   /// Gives back the blocks no layer's tokens reach any more.
   void shrink_table() noexcept {
     if (pool_ == nullptr) return;
-    std::size_t longest = 0;
-    for (std::size_t l = 0; l < layers(); ++l) longest = std::max(longest, length(l));
-    const std::size_t keep = (longest + block() - 1) / block();
+    const std::size_t keep = (held_tokens() + block() - 1) / block();
     while (table_.size() > keep) {
       pool_->drop(table_.back());
       table_.pop_back();
