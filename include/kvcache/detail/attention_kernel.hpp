@@ -16,7 +16,6 @@
 #include <cstring>
 #include <limits>
 #include <span>
-#include <thread>
 #include <vector>
 
 #include "kvcache/attention_tuning.hpp"
@@ -492,8 +491,7 @@ inline std::size_t attention_threads(std::size_t requested, std::size_t work_byt
   if (requested != 0) return requested;
   const std::size_t wanted = work_bytes / std::max<std::size_t>(per_thread, 1);
   if (wanted <= 1) return 1;
-  static const std::size_t hardware = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
-  return std::min(wanted, hardware);
+  return std::min(wanted, hardware_threads());
 }
 
 /// Runs the kernel over every item of a call, split by keys where there are fewer items than

@@ -117,11 +117,9 @@ __attribute__((target("sse4.2"))) inline std::uint32_t crc32c_sse42(std::uint32_
   return ~c32;
 }
 
-/// Whether this processor has SSE4.2's crc32 instruction (asked once).
-inline bool has_sse42() noexcept {
-  static const bool has = __builtin_cpu_supports("sse4.2") != 0;
-  return has;
-}
+/// Whether this processor has SSE4.2's crc32 instruction: a bit of the processor model the
+/// runtime reads once at start-up, so no cache (and no guard a fork could leave held) is needed.
+inline bool has_sse42() noexcept { return __builtin_cpu_supports("sse4.2") != 0; }
 #endif
 
 #if defined(KVCACHE_CRC32C_ARM)

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -23,9 +24,16 @@
 
 namespace kvcache::detail {
 
-/// Threads the hardware runs at once (at least 1).
+/// Threads the hardware runs at once (at least 1). Cached in a constant-initialized atomic, not a
+/// function-local static: a child forked while another thread held such a static's guard would
+/// wait on that guard for good.
 inline std::size_t hardware_threads() noexcept {
-  static const std::size_t threads = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
+  static constinit std::atomic<std::size_t> cached{0};
+  std::size_t threads = cached.load(std::memory_order_relaxed);
+  if (threads == 0) {
+    threads = std::max<std::size_t>(std::thread::hardware_concurrency(), 1);
+    cached.store(threads, std::memory_order_relaxed);
+  }
   return threads;
 }
 
@@ -66,10 +74,11 @@ class WorkerPool {
   /// This process's pool, started empty, keeping one thread fewer than the hardware runs (the
   /// caller is the other). A forked child, which has none of its parent's threads, gets a pool
   /// of its own, whatever its pid. Never destroyed, so that a call made while static objects
-  /// are destroyed still finds it.
-  static WorkerPool& shared() {
+  /// are destroyed still finds it. Null, for this call only, while another thread registers the
+  /// fork handler or when the pool cannot be allocated: the caller then uses threads of its own.
+  static WorkerPool* shared() noexcept {
     WorkerPool* pool = current_.load(std::memory_order_acquire);
-    return pool != nullptr ? *pool : start_shared();
+    return pool != nullptr ? pool : start_shared();
   }
 
   /// Runs every worker index of `job`, 0 first, on the calling thread and up to
@@ -156,23 +165,45 @@ class WorkerPool {
     }
   }
 
-  static WorkerPool& start_shared() {
-    std::size_t max_threads = hardware_threads() - 1;
-#if defined(__unix__) || defined(__APPLE__)
+  static WorkerPool* start_shared() noexcept {
+    const ForkHandler handler = fork_handler();
+    if (handler == ForkHandler::registering) return nullptr;
     // Without the handler a forked child could not tell its parent's threads from its own.
-    static const bool forks_handled = pthread_atfork(nullptr, nullptr, &leave_after_fork) == 0;
-    if (!forks_handled) max_threads = 0;
-#endif
-    auto* fresh = new WorkerPool(max_threads);
+    const std::size_t max_threads = handler == ForkHandler::registered ? hardware_threads() - 1 : 0;
+    auto* fresh = new (std::nothrow) WorkerPool(max_threads);
+    if (fresh == nullptr) return nullptr;
     WorkerPool* first = nullptr;
-    if (current_.compare_exchange_strong(first, fresh, std::memory_order_acq_rel)) return *fresh;
+    if (current_.compare_exchange_strong(first, fresh, std::memory_order_acq_rel)) return fresh;
     delete fresh;  // another thread's came first
-    return *first;
+    return first;
+  }
+
+  enum class ForkHandler : int { unregistered, registering, registered, unavailable };
+
+  /// Registers leave_after_fork once, through an atomic rather than a function-local static or
+  /// std::call_once, whose guard a fork could leave held by a thread the child does not have.
+  /// `registering` while another thread does it; in a child forked at that moment, for good
+  /// unless the handler was in place by then (it then says `registered` itself).
+  static ForkHandler fork_handler() noexcept {
+    auto state = fork_handler_.load(std::memory_order_acquire);
+    if (state != ForkHandler::unregistered ||
+        !fork_handler_.compare_exchange_strong(state, ForkHandler::registering, std::memory_order_acq_rel)) {
+      return state;
+    }
+#if defined(__unix__) || defined(__APPLE__)
+    state =
+        pthread_atfork(nullptr, nullptr, &leave_after_fork) == 0 ? ForkHandler::registered : ForkHandler::unavailable;
+#else
+    state = ForkHandler::registered;  // no fork()
+#endif
+    fork_handler_.store(state, std::memory_order_release);
+    return state;
   }
 
   /// In a forked child (one thread, before fork() returns): leaves the parent's pool, whose
   /// threads and lock holders are not in this process, for the next call to replace.
   static void leave_after_fork() noexcept {
+    fork_handler_.store(ForkHandler::registered, std::memory_order_relaxed);  // this handler runs
     WorkerPool* parents = current_.exchange(nullptr, std::memory_order_relaxed);
     if (parents == nullptr) return;
     parents->older_ = left_;  // kept reachable, so that leak checkers see no leak
@@ -180,7 +211,8 @@ class WorkerPool {
   }
 
   static inline std::atomic<WorkerPool*> current_{nullptr};  // this process's shared pool
-  static inline WorkerPool* left_ = nullptr;                 // pools of ancestor processes, newest first
+  static inline std::atomic<ForkHandler> fork_handler_{ForkHandler::unregistered};
+  static inline WorkerPool* left_ = nullptr;  // pools of ancestor processes, newest first
 
   std::size_t max_threads_;
   std::mutex busy_;   // held by the caller whose job runs
@@ -203,7 +235,8 @@ void run_workers(std::size_t workers, const Work& work) {
   if (workers <= 1) return work(0);
   const PoolJob job{[](const void* context, std::size_t worker) { (*static_cast<const Work*>(context))(worker); },
                     &work, workers};
-  if (WorkerPool::shared().try_run(job) != 0) return;
+  WorkerPool* pool = WorkerPool::shared();
+  if (pool != nullptr && pool->try_run(job) != 0) return;
   const std::size_t helpers = std::min(workers, hardware_threads()) - 1;
   std::atomic<std::size_t> next{1};
   std::vector<std::thread> threads;
