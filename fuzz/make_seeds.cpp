@@ -12,7 +12,6 @@
 #include <fstream>
 #include <iterator>
 #include <span>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -32,38 +31,6 @@ void write(const fs::path& path, const std::string& bytes) {
 std::string read(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-template <Variant V, class T>
-std::string saved_state() {
-  const KvCacheConfig config = fixed_config(V);
-  std::ostringstream out;
-  if constexpr (V == Variant::paged) {
-    Target<V, T> t(pool_config(config));
-    fill(t);
-    save_state(t.cache, out, "paged seed");
-  } else {
-    Target<V, T> t(config);
-    fill(t);
-    save_state(t.cache, out, "seed");
-  }
-  return std::move(out).str();
-}
-
-template <class T>
-std::string saved_state(Variant v) {
-  switch (v) {
-    case Variant::dense:
-      return saved_state<Variant::dense, T>();
-    case Variant::concat:
-      return saved_state<Variant::concat, T>();
-    case Variant::ring:
-      return saved_state<Variant::ring, T>();
-    case Variant::slot:
-      return saved_state<Variant::slot, T>();
-    default:
-      return saved_state<Variant::paged, T>();
-  }
 }
 
 // Qwen3-0.6B's config.json as Hugging Face publishes it.
@@ -137,6 +104,19 @@ int main(int argc, char** argv) {
       input += static_cast<char>(v * kFormats + f);
       write(state / (std::string(kVariantNames[v]) + "_" + name), input + file);
     }
+  }
+
+  // Patch seeds: a seed file of each variant with three bytes changed past HEAD (flag 16).
+  for (std::size_t v = 0; v < kVariants; ++v) {
+    std::string input;
+    input += '\x10';
+    input += static_cast<char>(v * kFormats + v % kFormats);
+    for (const std::size_t offset : {8 * v + 3, 64 * v + 40, 512 * v + 200}) {
+      input += static_cast<char>(offset & 0xFF);
+      input += static_cast<char>(offset >> 8);
+      input += '\x01';
+    }
+    write(state / (std::string("patched_") + kVariantNames[v]), input);
   }
 
   // Checkpoint seeds: a mode byte, then the bytes.

@@ -8,7 +8,8 @@
 // Input: a flags byte, a target byte (variant x format of the fixed target), then the file.
 // Flags: repair the checksums first (so mutations reach the checks behind them), load into a
 // cache that holds other tokens, read through a stream that cannot seek, build the target
-// from what read_state_info reports (when small enough) instead of the fixed one.
+// from what read_state_info reports (when small enough) instead of the fixed one, or patch a
+// seed's file (the rest of the input is then patches, not a file; see patched_state).
 
 #include <cstddef>
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include <sstream>
 #include <streambuf>
 #include <string>
+#include <string_view>
 
 #include "kvcache/detail/crc32c.hpp"
 #include "kvcache/state_file.hpp"
@@ -28,7 +30,7 @@ namespace {
 
 using namespace state_fuzz;
 
-constexpr std::uint8_t kRepair = 1, kHolds = 2, kPipe = 4, kFromInfo = 8;
+constexpr std::uint8_t kRepair = 1, kHolds = 2, kPipe = 4, kFromInfo = 8, kPatch = 16;
 
 /// Recomputes every whole section's checksum, as a writer of crafted files would.
 void repair(std::string& file) {
@@ -63,6 +65,24 @@ Layout layout(const std::string& file) {
     at = end;
   }
   return out;
+}
+
+/// The seed file of the target's variant and format with `patches` applied past HEAD, each three
+/// bytes (a little-endian offset into what follows HEAD, a byte XORed there), checksums
+/// repaired. Arbitrary files mostly stop at the parser; these keep their sections and sizes, so
+/// their loads reach the checks of the lengths, positions and scales they hold, and succeed.
+template <class T>
+std::string patched_state(Variant v, std::string_view patches) {
+  std::string file = saved_state<T>(v);
+  const std::size_t from = layout(file).head_end;
+  if (from == 0 || from >= file.size()) return file;
+  for (std::size_t i = 0; i + 3 <= patches.size(); i += 3) {
+    const std::size_t offset = static_cast<std::uint8_t>(patches[i]) |
+                               static_cast<std::size_t>(static_cast<std::uint8_t>(patches[i + 1])) << 8;
+    file[from + offset % (file.size() - from)] ^= patches[i + 2];
+  }
+  repair(file);
+  return file;
 }
 
 /// A stream over the bytes that cannot seek, as a pipe.
@@ -239,7 +259,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::uint8_t flags = data[0];
   std::size_t variant = data[1] / kFormats % kVariants, format = data[1] % kFormats;
   std::string file(reinterpret_cast<const char*>(data + 2), size - 2);
-  if ((flags & kRepair) != 0) repair(file);
+  if ((flags & kPatch) != 0) {
+    file = with_format(format,
+                       [&](auto tag) { return patched_state<typename decltype(tag)::type>(Variant(variant), file); });
+  } else if ((flags & kRepair) != 0) {
+    repair(file);
+  }
 
   std::optional<StateInfo> info;
   try {

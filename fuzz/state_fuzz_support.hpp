@@ -14,6 +14,7 @@
 #include <memory>
 #include <numeric>
 #include <span>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -205,6 +206,39 @@ void fill(Target<V, T>& t) {
     feed(cache, 1, 20);
     feed(cache, 4, 30, 1.5F);  // more than a ring's slack + 1: staged
     feed(cache, 1, 40, 1.0F, 1);
+  }
+}
+
+/// The file a seed holds: the fixed target of variant V filled as above, saved.
+template <Variant V, class T>
+std::string saved_state() {
+  const KvCacheConfig config = fixed_config(V);
+  std::ostringstream out;
+  if constexpr (V == Variant::paged) {
+    Target<V, T> t(pool_config(config));
+    fill(t);
+    save_state(t.cache, out, "paged seed");
+  } else {
+    Target<V, T> t(config);
+    fill(t);
+    save_state(t.cache, out, "seed");
+  }
+  return std::move(out).str();
+}
+
+template <class T>
+std::string saved_state(Variant v) {
+  switch (v) {
+    case Variant::dense:
+      return saved_state<Variant::dense, T>();
+    case Variant::concat:
+      return saved_state<Variant::concat, T>();
+    case Variant::ring:
+      return saved_state<Variant::ring, T>();
+    case Variant::slot:
+      return saved_state<Variant::slot, T>();
+    default:
+      return saved_state<Variant::paged, T>();
   }
 }
 

@@ -866,6 +866,22 @@ TEST_F(SlotFloatState, AFreeSlotWithTokensIsRefused) {
   EXPECT_EQ(snapshot(cache), before);
 }
 
+TEST_F(SlotFloatState, BaseLayerLengthsOtherThanZeroAreRefused) {
+  // Found by fuzz/state_fuzz: a slot cache's file whose BASE gave layer 1 tokens (its slots
+  // keep their own in SLOT) loaded, and the cache took BASE's lengths as its own.
+  std::string file = saved(filled());
+  ASSERT_EQ(patch_u64(file, "BASE", 8, 5), 0U);  // layer 1's length, after layer 0's
+  Cache cache = holding_others();
+  const SlotSnapshot before = snapshot(cache);
+  try {
+    load_from(cache, file);
+    ADD_FAILURE() << "loaded a slot cache's file whose BASE gives layer 1 five tokens";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("section SLOT: BASE's layer 1 tokens: expected 0"), HasSubstr("found 5")));
+  }
+  EXPECT_EQ(snapshot(cache), before);
+}
+
 // ---- PagedKvCache: one sequence of a pool, loaded into fresh blocks of another -----------
 
 /// What a paged sequence shows: each layer's history and tokens, its blocks' count, its

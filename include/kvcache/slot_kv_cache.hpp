@@ -258,6 +258,11 @@ class SlotKvCache : public detail::CacheBase,
     std::vector<std::size_t> lengths(lengths_.size());
     for (std::size_t& n : lengths) n = fields.u64("length");
     fields.finish();
+    for (std::size_t l = 0; l < in.lengths().size(); ++l) {
+      const std::string where = "BASE's layer " + std::to_string(l) + " tokens";
+      fields.require(in.lengths()[l] == 0, where.c_str(), "0 (a slot cache's tokens are its slots', held here)",
+                     std::to_string(in.lengths()[l]));
+    }
     for (std::size_t l = 0; l < layers(); ++l) {
       for (std::size_t row = 0; row < slots(); ++row) {
         const std::size_t n = lengths[at(l, row)];
