@@ -210,8 +210,8 @@ class WorkerPool {
     left_ = parents;
   }
 
-  static inline std::atomic<WorkerPool*> current_{nullptr};  // this process's shared pool
-  static inline std::atomic<ForkHandler> fork_handler_{ForkHandler::unregistered};
+  static inline std::atomic<WorkerPool*> current_{nullptr};                         // this process's shared pool
+  static inline std::atomic<ForkHandler> fork_handler_{ForkHandler::unregistered};  // fork_handler()'s state
   static inline WorkerPool* left_ = nullptr;  // pools of ancestor processes, newest first
 
   std::size_t max_threads_;
