@@ -1353,7 +1353,7 @@ class PagedHarness {
           reuse_prefix(in, at, last);
           break;
         case 5:
-          add_token_ids(in, at);
+          add_token_ids(in, at, last);
           break;
         case 6:
           fork(in, at);
@@ -1541,7 +1541,9 @@ class PagedHarness {
       unchanged(last);
       return;
     }
-    CACHE_FUZZ_REQUIRE(skip % s_.block_tokens == 0 && skip <= prompt.size(),
+    // Whole blocks, but never the whole prompt: a prompt found whole leaves its last token to feed.
+    const bool whole = !prompt.empty() && skip + 1 == prompt.size() && prompt.size() % s_.block_tokens == 0;
+    CACHE_FUZZ_REQUIRE((skip % s_.block_tokens == 0 || whole) && (skip < prompt.size() || prompt.empty()),
                        "reuse_prefix returned " + str(skip) + " of " + str(prompt.size()));
     s.known = prompt.size();
     set_ids(s, std::move(prompt));
@@ -1552,14 +1554,23 @@ class PagedHarness {
     }
   }
 
-  void add_token_ids(Bytes& in, std::size_t at) {
+  /// Ids of the next tokens, given before they are fed (a generated token's); refused once the
+  /// sequence holds tokens fed without their ids, since given then they could name other tokens.
+  void add_token_ids(Bytes& in, std::size_t at, Snapshot& last) {
     Seq& s = seqs_[at];
     const std::size_t count = in.pick(0, 6);
     g_context = "PagedKvCache " + str(at) + " add_token_ids of " + str(count);
+    if (s.known < longest(s) && count != 0) {
+      const std::vector<TokenId> late(count, 1);
+      expect(Expect::logic_error, "add_token_ids after their tokens", [&] { s.cache->add_token_ids(late); });
+      unchanged(last);
+      return;
+    }
     ensure_ids(in, s, s.known + count);
     expect(Expect::none, "add_token_ids",
            [&] { s.cache->add_token_ids(std::span<const TokenId>(s.ids).subspan(s.known, count)); });
     s.known += count;
+    CACHE_FUZZ_REQUIRE(s.cache->token_ids().size() == s.known, "token_ids() after add_token_ids");
   }
 
   void fork(Bytes& in, std::size_t at) {

@@ -88,6 +88,14 @@ TYPED_TEST_SUITE(Paged, Formats, FormatName);
 
 std::vector<TokenId> ids(std::initializer_list<int> values) { return {values.begin(), values.end()}; }
 
+/// The tokens every layer of a sequence holds.
+template <class T>
+std::size_t l_length(const PagedKvCache<T>& seq) {
+  std::size_t n = seq.length(0);
+  for (std::size_t layer = 1; layer < seq.layers(); ++layer) n = std::min(n, seq.length(layer));
+  return n;
+}
+
 TYPED_TEST(Paged, ASequenceHoldsItsTokensInBlocksAndGivesThemBackWhenTruncatedOrGone) {
   auto pool = this->make_pool(8);
   const auto prompt = ids({5, 1, 4, 1, 5, 9, 2, 6, 5, 3});
@@ -177,9 +185,116 @@ TYPED_TEST(Paged, FreedKeyedBlocksStayReusableUntilThePoolNeedsThemLeastRecently
   }
   PagedKvCache<TypeParam> again_a(pool), again_b(pool);
   EXPECT_EQ(again_a.reuse_prefix(a), 0U);
-  EXPECT_EQ(again_b.reuse_prefix(b), 4U);
-  this->expect_holds(again_b, b, 4);
+  EXPECT_EQ(again_b.reuse_prefix(b), 3U);  // the whole prompt: its last token is left to feed
+  this->expect_holds(again_b, b, 3);
   pool.check_invariants();
+}
+
+// ---- prefix hits hand out only the rows of the tokens their keys name ------------------------
+
+TYPED_TEST(Paged, AWholePromptHitLeavesItsLastTokenToFeedAndGeneratedIdsKeyTheBlocksTheirTokensFill) {
+  auto pool = this->make_pool(16);
+  const auto prompt = ids({1, 2, 3, 4, 5, 6, 7, 8});
+  const auto generated = ids({100, 101, 102, 103});
+  auto all = prompt;
+  all.insert(all.end(), generated.begin(), generated.end());
+  // Serves the prompt as an engine does: the skipped tokens, the rest of the prompt, then each
+  // generated token's id given before the token is fed.
+  const auto serve = [&](PagedKvCache<TypeParam>& seq, std::size_t expected_skip) {
+    const std::size_t skip = seq.reuse_prefix(prompt);
+    EXPECT_EQ(skip, expected_skip);
+    this->expect_holds(seq, prompt, skip);
+    this->feed(seq, prompt, skip, prompt.size());
+    for (std::size_t i = 0; i < generated.size(); ++i) {
+      seq.add_token_ids(std::span(generated).subspan(i, 1));
+      this->feed(seq, all, prompt.size() + i, prompt.size() + i + 1);
+      pool.check_invariants();
+    }
+    this->expect_holds(seq, all, all.size());
+  };
+  PagedKvCache<TypeParam> first(pool);
+  serve(first, 0);
+  {
+    PagedKvCache<TypeParam> shared(pool);  // while the first holds the blocks: the last is copied
+    serve(shared, 7);
+    EXPECT_EQ(shared.block_table()[0], first.block_table()[0]);
+    EXPECT_NE(shared.block_table()[1], first.block_table()[1]);
+  }
+  first = PagedKvCache<TypeParam>(pool);
+  for (int again = 0; again < 3; ++again) {  // alone in the pool: the block is rewritten in place
+    PagedKvCache<TypeParam> seq(pool);
+    serve(seq, 7);
+  }
+  // A prompt that continues with the first generated token where the prompt's last stood
+  // shares one block, not two: no block is keyed [5 6 7 100].
+  auto other = ids({1, 2, 3, 4, 5, 6, 7, 100, 9, 9});
+  PagedKvCache<TypeParam> third(pool);
+  EXPECT_EQ(third.reuse_prefix(other), 4U);
+  this->feed(third, other, 4, other.size());
+  this->expect_holds(third, other, other.size());
+  pool.check_invariants();
+}
+
+TYPED_TEST(Paged, IdsGivenAfterTheirTokensAreRefusedAndChangeNothing) {
+  auto pool = this->make_pool(8);
+  const auto prompt = ids({1, 2, 3, 4, 5, 6});
+  PagedKvCache<TypeParam> seq(pool);
+  EXPECT_EQ(seq.reuse_prefix(prompt), 0U);
+  auto all = prompt;
+  all.push_back(9);
+  this->feed(seq, all, 0, all.size());  // token 6 fed before its id was given
+  try {
+    seq.add_token_ids(ids({9}));
+    ADD_FAILURE() << "no exception";
+  } catch (const std::logic_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("add_token_ids"), HasSubstr("before the tokens"), HasSubstr("7 tokens"),
+                                HasSubstr("6 ids known")));
+  }
+  EXPECT_EQ(seq.token_ids().size(), 6U);
+  EXPECT_EQ(pool.keyed_blocks(), 1U);
+  pool.check_invariants();
+  // After a truncate the ids past it are forgotten; given again before their tokens, they key.
+  seq.truncate(6);
+  seq.add_token_ids(ids({9, 10}));
+  all.push_back(10);
+  this->feed(seq, all, 6, all.size());
+  EXPECT_EQ(pool.keyed_blocks(), 2U);
+  this->expect_holds(seq, all, all.size());
+  PagedKvCache<TypeParam> reuser(pool);
+  EXPECT_EQ(reuser.reuse_prefix(all), 7U);
+  this->expect_holds(reuser, all, 7);
+  pool.check_invariants();
+}
+
+/// How a sequence gives back every block at once.
+enum class GiveBack { destroyed, moved_over, reset, truncated };
+
+TYPED_TEST(Paged, EverySequenceGivesItsBlocksBackLastFirstSoEvictionTakesAPrefixsTailBeforeItsRoot) {
+  for (const GiveBack how : {GiveBack::destroyed, GiveBack::moved_over, GiveBack::reset, GiveBack::truncated}) {
+    SCOPED_TRACE(static_cast<int>(how));
+    auto pool = this->make_pool(4);
+    const auto prompt = ids({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13});
+    {
+      auto seq = std::make_unique<PagedKvCache<TypeParam>>(pool);
+      (void)seq->reuse_prefix(prompt);
+      this->feed(*seq, prompt, 0, 12);  // three full blocks, keyed
+      ASSERT_EQ(pool.keyed_blocks(), 3U);
+      if (how == GiveBack::destroyed) seq.reset();
+      if (how == GiveBack::moved_over) *seq = PagedKvCache<TypeParam>(pool);
+      if (how == GiveBack::reset) seq->reset();
+      if (how == GiveBack::truncated) seq->truncate(0);
+      ASSERT_EQ(pool.free_blocks(), 4U);
+      // Two blocks for another prompt: the never-keyed one, then the oldest freed.
+      PagedKvCache<TypeParam> filler(pool);
+      this->feed(filler, ids({9, 9, 9, 9, 9}), 0, 5);
+      EXPECT_EQ(pool.keyed_blocks(), 2U);
+      pool.check_invariants();
+    }
+    PagedKvCache<TypeParam> again(pool);
+    EXPECT_EQ(again.reuse_prefix(prompt), 8U);  // the prefix's first two blocks survive
+    this->expect_holds(again, prompt, 8);
+    pool.check_invariants();
+  }
 }
 
 TYPED_TEST(Paged, OutOfBlocksThrowsNamingNeededAndFreeWithNothingChanged) {
@@ -212,36 +327,53 @@ TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsist
   const auto pick = [&](std::size_t lo, std::size_t hi) {
     return std::uniform_int_distribution<std::size_t>(lo, hi)(rng);
   };
-  // Prompts from a small alphabet, so prefixes repeat across sequences.
+  // Prompts and generated tokens from a small alphabet, so prefixes repeat across sequences,
+  // and a prompt often is the whole of one served before.
   const std::vector<std::vector<TokenId>> prompts = {ids({1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9}),
                                                      ids({1, 2, 3, 4, 5, 6, 7, 8, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4}),
                                                      ids({1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9}),
-                                                     ids({6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6})};
-  std::size_t hits = 0, out_of_blocks = 0, forks = 0;  // what the runs reached
-  for (int run = 0; run < 20; ++run) {
+                                                     ids({6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6}),
+                                                     ids({1, 2, 3, 4, 5, 6, 7, 8}),
+                                                     ids({1, 2, 3, 4})};
+  const auto token = [&] { return static_cast<TokenId>(pick(1, 3)); };
+  std::size_t hits = 0, whole = 0, out_of_blocks = 0, forks = 0, generated = 0, refused = 0;  // what the runs reached
+  for (int run = 0; run < 30; ++run) {
     SCOPED_TRACE("run " + std::to_string(run));
-    auto pool = this->make_pool(pick(6, 14));
+    auto pool = this->make_pool(pick(5, 12));
     struct Live {
       std::unique_ptr<Seq> seq;
-      std::vector<TokenId> ids;  // what it holds (and may be fed), position by position
+      std::vector<TokenId> ids;  // the tokens it holds and will be fed, position by position
     };
     std::vector<Live> live;
-    for (int op = 0; op < 60; ++op) {
-      const std::size_t kind = pick(0, 9);
+    // Served sequences' tokens, as later prompts: a prefix hit must hand out exactly their rows.
+    std::vector<std::vector<TokenId>> served = prompts;
+    const auto held = [](const Seq& seq) { return std::max(seq.length(0), seq.length(1)); };
+    for (int op = 0; op < 80; ++op) {
+      const std::size_t kind = pick(0, 11);
       if (kind <= 1 && live.size() < 4) {  // a new sequence, through a prefix hit where there is one
-        Live l{std::make_unique<Seq>(pool), prompts[pick(0, prompts.size() - 1)]};
+        Live l{std::make_unique<Seq>(pool), served[pick(0, served.size() - 1)]};
+        l.ids.resize(pick(1, l.ids.size()));
         const std::size_t skip = l.seq->reuse_prefix(l.ids);
-        ASSERT_EQ(skip % TestFixture::block, 0U);
+        ASSERT_LT(skip, l.ids.size()) << "the last prompt token is always fed";
+        ASSERT_TRUE(skip % TestFixture::block == 0 || skip + 1 == l.ids.size());
         ASSERT_EQ(l.seq->length(), skip);
         if (skip != 0) ++hits;
+        if (skip != 0 && skip + 1 == l.ids.size()) ++whole;
         live.push_back(std::move(l));
-      } else if (kind <= 5 && !live.empty()) {  // feed tokens, the pass maybe stopped part-way
+      } else if ((kind <= 5 || kind >= 10) && !live.empty()) {  // feed tokens, the pass maybe stopped part-way
         Live& l = live[pick(0, live.size() - 1)];
         std::size_t from = 0;
         try {
           from = l.seq->length();
         } catch (const std::runtime_error&) {
           continue;  // part-way: the next truncate repairs it
+        }
+        if (from == l.ids.size()) {  // generate: the id given first, or (1 in 5) never
+          l.ids.push_back(token());
+          if (l.seq->token_ids().size() == from && pick(0, 4) != 0) {
+            l.seq->add_token_ids(std::span(l.ids).subspan(from));
+            ++generated;
+          }
         }
         const std::size_t to = std::min(l.ids.size(), from + pick(1, 5));
         const std::size_t stop = pick(0, 4) == 0 ? 1 : TestFixture::layers;
@@ -250,25 +382,42 @@ TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsist
         } catch (const std::length_error&) {
           ++out_of_blocks;  // whatever went in before stays; the reference below reads lengths
         }
-      } else if (kind == 6 && !live.empty() && live.size() < 4) {  // fork
+      } else if (kind == 6 && !live.empty() && live.size() < 4) {  // fork, continued another way
         Live& l = live[pick(0, live.size() - 1)];
         const std::size_t free = pool.free_blocks();
         Live f{std::make_unique<Seq>(l.seq->fork()), l.ids};
         ASSERT_EQ(pool.free_blocks(), free) << "a fork copies no block";
         ++forks;
-        // It continues with another prompt's tokens after those it holds.
-        const std::size_t n = std::max(l.seq->length(0), l.seq->length(1));
-        const auto& tail = prompts[pick(0, prompts.size() - 1)];
-        f.ids.assign(l.ids.begin(), l.ids.begin() + static_cast<std::ptrdiff_t>(n));
-        f.ids.insert(f.ids.end(), tail.begin() + static_cast<std::ptrdiff_t>(n), tail.end());
-        f.seq->add_token_ids(std::span<const TokenId>(f.ids).subspan(n));
+        const std::size_t n = held(*l.seq);
+        f.ids.resize(n);
+        if (f.seq->token_ids().size() == n) {
+          for (std::size_t extra = pick(0, 6); extra > 0; --extra) f.ids.push_back(token());
+          f.seq->add_token_ids(std::span(f.ids).subspan(n));
+        }
         live.push_back(std::move(f));
-      } else if (kind == 7 && !live.empty()) {  // truncate
+      } else if (kind == 7 && !live.empty()) {  // roll back, then continue the same way or another
         Live& l = live[pick(0, live.size() - 1)];
-        const std::size_t held = std::min(l.seq->length(0), l.seq->length(1));
-        l.seq->truncate(pick(0, held));
-      } else if (kind == 8 && !live.empty()) {  // finish: the sequence goes
-        live.erase(live.begin() + static_cast<std::ptrdiff_t>(pick(0, live.size() - 1)));
+        const std::size_t n = pick(0, std::min(l.seq->length(0), l.seq->length(1)));
+        const std::size_t known = l.seq->token_ids().size();
+        l.seq->truncate(n);
+        ASSERT_EQ(l.seq->token_ids().size(), std::min(n, known));
+        if (pick(0, 1) == 0) {
+          for (std::size_t p = n; p < l.ids.size(); ++p) l.ids[p] = token();
+        }
+        if (known >= n) l.seq->add_token_ids(std::span(l.ids).subspan(std::min(n, l.ids.size())));
+      } else if (kind == 8 && !live.empty()) {  // ids given after their tokens: refused
+        Live& l = live[pick(0, live.size() - 1)];
+        if (l.seq->token_ids().size() < held(*l.seq)) {
+          const std::size_t keyed = pool.keyed_blocks();
+          EXPECT_THROW(l.seq->add_token_ids(ids({1})), std::logic_error);
+          ASSERT_EQ(pool.keyed_blocks(), keyed);
+          ++refused;
+        }
+      } else if (kind == 9 && !live.empty()) {  // finish: the sequence goes, its tokens a prompt
+        const std::size_t i = pick(0, live.size() - 1);
+        const std::size_t n = std::min(l_length(*live[i].seq), live[i].ids.size());
+        if (n != 0) served.emplace_back(live[i].ids.begin(), live[i].ids.begin() + static_cast<std::ptrdiff_t>(n));
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
       }
       ASSERT_NO_THROW(pool.check_invariants());
       for (Live& l : live) {
@@ -279,9 +428,12 @@ TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsist
       }
     }
   }
-  EXPECT_GT(hits, 10U);
+  EXPECT_GT(hits, 20U);
+  EXPECT_GT(whole, 5U);
   EXPECT_GT(out_of_blocks, 10U);
   EXPECT_GT(forks, 10U);
+  EXPECT_GT(generated, 20U);
+  EXPECT_GT(refused, 3U);
 }
 
 }  // namespace

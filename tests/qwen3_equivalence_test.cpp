@@ -393,6 +393,13 @@ TEST(PagedSequences, APrefixHitAndForksContinuedDifferentlyGiveTheLogitsOfRecomp
   expect_uncached(model.forward(slice(fork_more, 23, 6), fork), fork_more, 23);
   expect_uncached(model.forward(slice(a_more, 23, 6), first), a_more, 23);
   pool.check_invariants();
+
+  // A prompt found whole: its last token is fed for the logits that start generation.
+  const std::vector<TokenId> whole(a.begin(), a.begin() + 20);
+  kvcache::PagedKvCache<float> again(pool);
+  EXPECT_EQ(again.reuse_prefix(whole), 19U);
+  expect_uncached(model.forward(slice(whole, 19, 1), again), whole, 19);
+  pool.check_invariants();
 }
 
 // ---- the comparison can fail ---------------------------------------------------------------

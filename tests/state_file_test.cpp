@@ -982,11 +982,12 @@ TYPED_TEST(PagedStateFile, RoundTripIsBitExactContinuesTheSameAndIsReused) {
   EXPECT_EQ(reuser.reuse_prefix(this->ids(10, 100)), 8U);
   EXPECT_TRUE(std::equal(reuser.block_table().begin(), reuser.block_table().end(), loaded.block_table().begin()));
 
-  // Both continue alike: the part-way pass repaired, then decoding with the ids given.
+  // Both continue alike: the part-way pass repaired back to the tokens whose ids are known,
+  // then decoding with each token's id given before it.
   for (PagedKvCache<TypeParam>* seq : {&original, &loaded}) {
-    seq->truncate(seq->length(1));
-    this->feed(*seq, 3, 500);
+    seq->truncate(10);
     seq->add_token_ids(this->ids(4, 110));
+    this->feed(*seq, 3, 500);
     this->feed(*seq, 2, 600);
   }
   EXPECT_EQ(snapshot(loaded), snapshot(original));
@@ -1033,7 +1034,7 @@ TYPED_TEST(PagedStateFile, AFlippedByteInAnySectionIsRefusedAndNothingChanged) {
   other.check_invariants();
   EXPECT_EQ(snapshot(holder), held);
   PagedKvCache<TypeParam> reuser(other);
-  EXPECT_EQ(reuser.reuse_prefix(this->ids(12, 7)), 12U);
+  EXPECT_EQ(reuser.reuse_prefix(this->ids(13, 7)), 12U);  // the prompt's 13th token is fed
   EXPECT_EQ(snapshot(reuser), kept);
   reuser.reset();
   load_from(target, file);

@@ -52,10 +52,11 @@ class PagedKvCache;
 /// `block_tokens` consecutive tokens of one sequence in every layer, stored in format T.
 /// Sequences take blocks as they grow and give them back when truncated, reset or destroyed;
 /// `fork` shares them (reference counts) and copies a shared partial block before writing it.
-/// Full blocks whose token ids are known are keyed by a hash chain of those ids, so a new
-/// sequence with the same prompt prefix takes them instead of recomputing (`reuse_prefix`).
-/// Freed blocks keep their keys and are reused in least-recently-freed order when the pool
-/// needs room (blocks never keyed first).
+/// Each block records the ids of the tokens whose rows it holds, as they were written; a full
+/// block with all its ids is keyed by a hash chain of them, so a new sequence with the same
+/// prompt prefix takes it instead of recomputing (`reuse_prefix`). Freed blocks keep their keys
+/// and are reused in least-recently-freed order when the pool needs room (blocks never keyed
+/// first); a sequence gives its blocks back last first, so a prefix loses its tail before its root.
 ///
 /// A pool and its sequences are driven from one thread at a time (distinct layers of one
 /// sequence may be updated concurrently only while no other sequence of the pool is written).
@@ -90,7 +91,10 @@ class BlockPool : private detail::CacheBase {
     std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
     rows_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(1, kv_heads(), head_dim(), blocks_ * block_tokens_);
-    for (std::size_t b = 0; b < blocks_; ++b) meta_[b].free_at = free_.insert(free_.end(), b);
+    for (std::size_t b = 0; b < blocks_; ++b) {
+      meta_[b].ids.reserve(block_tokens_);  // recording ids never allocates, so never throws mid-update
+      meta_[b].free_at = free_.insert(free_.end(), b);
+    }
   }
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
@@ -123,7 +127,8 @@ class BlockPool : private detail::CacheBase {
   /// Checks the pool's bookkeeping against its sequences' block tables; std::logic_error
   /// naming the first inconsistency: free + held = total; each block's count equals the tables
   /// that hold it; no block twice in the free list, none there held; every key maps to a block
-  /// keyed by it, whose ids hash to it from its parent's key.
+  /// keyed by it, full, whose ids hash to it from its parent's key; every sequence's known ids
+  /// are the ids its blocks recorded for the rows it holds, and its chain keys are theirs.
   void check_invariants() const {
     const auto fail = [](const std::string& what) { throw std::logic_error("BlockPool::check_invariants: " + what); };
     std::vector<std::size_t> held(blocks_, 0);
@@ -132,6 +137,7 @@ class BlockPool : private detail::CacheBase {
         if (b >= blocks_) fail("a table holds block " + std::to_string(b) + " of " + std::to_string(blocks_));
         ++held[b];
       }
+      s->check_ids(fail);
     }
     std::vector<char> listed(blocks_, 0);
     for (const std::size_t b : free_) {
@@ -150,10 +156,13 @@ class BlockPool : private detail::CacheBase {
              (listed[b] != 0 ? "" : "not ") + "in the free list");
       }
       if (m.count != 0) ++used;
+      if (m.ids.size() > block_tokens_) fail("block " + std::to_string(b) + " records more ids than it has rows");
       if (m.keyed) {
         const auto it = keyed_.find(m.key);
         if (it == keyed_.end() || it->second != b)
           fail("block " + std::to_string(b) + " is keyed but not found by its key");
+        if (m.ids.size() != block_tokens_)
+          fail("block " + std::to_string(b) + " is keyed without the ids of every row");
         if (chain_key(m.parent, m.ids) != m.key) fail("block " + std::to_string(b) + "'s ids do not hash to its key");
       }
     }
@@ -174,7 +183,9 @@ class BlockPool : private detail::CacheBase {
     bool keyed = false;     // in keyed_ under `key`
     std::uint64_t key = 0;
     std::uint64_t parent = 0;
-    std::vector<TokenId> ids;                  // the block's token ids, when keyed
+    // Ids of the tokens whose rows the block holds, from its first row, as they were written;
+    // it stops at the first row written without a known id.
+    std::vector<TokenId> ids;
     std::list<std::size_t>::iterator free_at;  // its place in free_, when count == 0
   };
 
@@ -199,13 +210,14 @@ class BlockPool : private detail::CacheBase {
     return h == 0 ? 1 : h;  // 0 is the empty chain's key
   }
 
-  /// Takes a free block, forgetting its key: never-keyed blocks first, then the least recently
-  /// freed. The caller has checked that one is free.
+  /// Takes a free block, forgetting its key and ids: never-keyed blocks first, then the least
+  /// recently freed. The caller has checked that one is free.
   std::size_t take_free() {
     const std::size_t b = free_.front();
     free_.pop_front();
     Meta& m = meta_[b];
     if (m.keyed) forget_key(b);
+    m.ids.clear();
     m.count = 1;
     return b;
   }
@@ -223,17 +235,32 @@ class BlockPool : private detail::CacheBase {
     Meta& m = meta_[b];
     keyed_.erase(m.key);
     m.keyed = false;
-    m.ids.clear();
   }
-  /// Keys a full block, unless another block already holds that key.
-  void key_block(std::size_t b, std::uint64_t parent, std::uint64_t key, std::span<const TokenId> ids) {
-    if (meta_[b].keyed || keyed_.count(key) != 0) return;
+  /// Keys a full block by the ids it recorded, unless another block already holds that key.
+  void key_block(std::size_t b, std::uint64_t parent, std::uint64_t key) {
     Meta& m = meta_[b];
-    m.ids.assign(ids.begin(), ids.end());
+    KVCACHE_ASSERT(m.ids.size() == block_tokens_ && chain_key(parent, m.ids) == key, "a block is keyed by its own ids");
+    if (m.keyed || keyed_.count(key) != 0) return;
+    keyed_.emplace(key, b);
     m.parent = parent;
     m.key = key;
     m.keyed = true;
-    keyed_.emplace(key, b);
+  }
+  /// Records that rows [first, first + rows) of block b were just written, the first
+  /// known.size() of them with those ids and the rest with none the sequence knew.
+  void record_ids(std::size_t b, std::size_t first, std::size_t rows, std::span<const TokenId> known) {
+    std::vector<TokenId>& recorded = meta_[b].ids;
+    for (std::size_t i = 0; i < rows; ++i) {
+      const std::size_t slot = first + i;
+      if (slot > recorded.size()) return;  // an earlier row has no id
+      if (i >= known.size()) {
+        recorded.resize(slot);
+        return;
+      }
+      if (slot < recorded.size() && recorded[slot] == known[i]) continue;  // another layer's write
+      recorded.resize(slot);  // rows past a rewritten one are stale until written again
+      recorded.push_back(known[i]);
+    }
   }
   /// The block keyed `key` whose ids are `ids`, or blocks_ if none.
   [[nodiscard]] std::size_t find(std::uint64_t key, std::span<const TokenId> ids) const {
@@ -243,9 +270,10 @@ class BlockPool : private detail::CacheBase {
       return blocks_;
     return it->second;
   }
-  /// Copies block `from`'s rows of every layer into block `to`.
-  void copy_block(std::size_t from, std::size_t to) noexcept {
+  /// Copies block `from`'s rows of every layer, and the ids they were written with, into block `to`.
+  void copy_block(std::size_t from, std::size_t to) {
     for (auto& r : rows_) r.copy(r, from * block_tokens_, block_tokens_, to * block_tokens_);
+    meta_[to].ids = meta_[from].ids;
   }
 
   std::size_t block_tokens_;
@@ -267,7 +295,8 @@ class BlockPool : private detail::CacheBase {
 ///   kvcache::BlockPool<float> pool({.layers = 28, .kv_heads = 8, .head_dim = 128, .blocks = 4096});
 ///   kvcache::PagedKvCache<float> seq(pool);
 ///   std::size_t skip = seq.reuse_prefix(prompt);            // tokens already in the pool
-///   auto history = seq.update(layer, k, v, positions);      // positions continue seq.length()
+///   auto history = seq.update(layer, k, v, positions);      // feed prompt[skip..], from skip on
+///   seq.add_token_ids({next});                              // a generated token's id, before feeding it
 ///   kvcache::PagedKvCache<float> sample = seq.fork();      // shares every block
 template <class T>
 class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<PagedKvCache<T>, T> {
@@ -328,8 +357,8 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   /// The blocks this sequence holds, in order.
   [[nodiscard]] std::span<const std::size_t> block_table() const noexcept { return table_; }
 
-  /// Forgets everything after `length` tokens in every layer, giving back the blocks past it.
-  /// std::out_of_range if a layer holds fewer.
+  /// Forgets everything after `length` tokens in every layer, and the ids of the tokens past
+  /// it, giving back the blocks past it. std::out_of_range if a layer holds fewer.
   void truncate(std::size_t length) {
     check_truncate(length);
     set_all_lengths(length);
@@ -363,9 +392,9 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
 
   /// Starts the sequence with a prompt: takes the pool's blocks that hold its longest keyed
   /// prefix of full blocks, and keeps the prompt's ids so that the blocks it fills are keyed
-  /// in turn. Returns the tokens the engine may skip: a whole number of blocks. If that is the
-  /// whole prompt, truncate(prompt - 1) and feed its last token for its logits.
-  /// std::logic_error unless the sequence is empty.
+  /// in turn. Returns the tokens the engine may skip, from which it feeds the rest of the
+  /// prompt: a whole number of blocks, but never the whole prompt (its last token is fed for
+  /// its logits). std::logic_error unless the sequence is empty.
   std::size_t reuse_prefix(std::span<const TokenId> prompt) {
     const std::size_t held = held_tokens();  // not length(): that throws when a pass stopped part-way
     if (held != 0 || !ids_.empty()) {
@@ -388,15 +417,32 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       ++matched;
     }
     ids_.assign(prompt.begin(), prompt.end());
-    set_all_lengths(matched * b);
-    return matched * b;
+    // The whole prompt found: its last token is left to be fed, into the last block (copied
+    // first if shared), which keeps that token's id.
+    const std::size_t skip = matched * b == prompt.size() && matched != 0 ? prompt.size() - 1 : matched * b;
+    keys_.resize(skip / b);
+    set_all_lengths(skip);
+    shrink_table();  // blocks of one token: the last one is not held
+    return skip;
   }
-  /// Adds the ids of tokens after those given so far (generated ones), so that the blocks they
-  /// fill are keyed for reuse too.
+  /// Gives the ids of the next tokens, those to be fed after the ones whose ids are known
+  /// (a generated token's, before feeding it), so that the blocks they fill are keyed for reuse.
+  /// std::logic_error once the sequence holds tokens whose ids it was not given: ids given
+  /// then could name other tokens than those the rows hold (after truncate(n), the ids past n
+  /// are forgotten and must be given again before their tokens).
   void add_token_ids(std::span<const TokenId> ids) {
+    const std::size_t held = held_tokens();
+    if (ids_.size() < held && !ids.empty()) {
+      throw std::logic_error(
+          detail::expected_given("PagedKvCache::add_token_ids", "ids given before the tokens they name",
+                                 std::to_string(ids.size()) + " ids after " + std::to_string(held) +
+                                     " tokens were fed with only " + std::to_string(ids_.size()) + " ids known"));
+    }
     ids_.insert(ids_.end(), ids.begin(), ids.end());
-    key_full_blocks();
   }
+  /// The ids known of the sequence's tokens, from position 0: those it holds and those given
+  /// ahead of them.
+  [[nodiscard]] std::span<const TokenId> token_ids() const noexcept { return ids_; }
 
   /// The layer's history as update() returns it, without writing: a segment per block.
   [[nodiscard]] History<T> history(std::size_t layer) {
@@ -507,6 +553,13 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       }
       table_ = std::move(table);
       ids_ = std::move(ids);
+      const std::size_t longest_held = *std::max_element(lengths.begin(), lengths.end());
+      for (std::size_t j = 0; j < table_.size(); ++j) {
+        const std::size_t from = std::min(j * block(), ids_.size());
+        const std::size_t to = std::min({(j + 1) * block(), longest_held, ids_.size()});
+        pool_->meta_[table_[j]].ids.assign(ids_.begin() + static_cast<std::ptrdiff_t>(from),
+                                           ids_.begin() + static_cast<std::ptrdiff_t>(std::max(from, to)));
+      }
       for (std::size_t l = 0; l < scales.size(); ++l) pool_->commit_update(l, scales[l], 0);
       for (std::size_t l = 0; l < layers(); ++l) set_length(l, lengths[l]);
       try {
@@ -546,7 +599,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
         pool_->drop(table_[j]);
         table_[j] = copy;
       } else if (pool_->meta_[table_[j]].keyed) {
-        pool_->forget_key(table_[j]);  // rewritten after a truncate: its ids no longer hold
+        pool_->forget_key(table_[j]);  // a keyed block's rows never change while it is keyed
       }
     }
     std::size_t clipped = 0;
@@ -554,6 +607,9 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       const std::size_t at = start + done;
       const std::size_t n = std::min(tokens - done, b - at % b);
       clipped += pool_->rows_[layer].encode(k, v, done, n, table_[at / b] * b + at % b, head_scale_view(scales));
+      const std::size_t known = std::min(n, ids_.size() - std::min(ids_.size(), at));
+      pool_->record_ids(table_[at / b], at % b, n,
+                        std::span<const TokenId>(ids_).subspan(std::min(at, ids_.size()), known));
       done += n;
     }
     pool_->commit_update(layer, scales, clipped);
@@ -562,19 +618,47 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     return history(layer);
   }
 
-  /// Keys every block that is full in every layer and whose ids are known, in chain order.
+  /// Keys every block that is full in every layer and recorded the id of every row, in chain
+  /// order, by those ids.
   void key_full_blocks() {
     const std::size_t b = block();
     std::size_t full = ~std::size_t{0};
     for (std::size_t l = 0; l < layers(); ++l) full = std::min(full, length(l) / b);
-    full = std::min({full, ids_.size() / b, table_.size()});
+    full = std::min(full, table_.size());
     while (keys_.size() < full) {
       const std::size_t j = keys_.size();
+      const std::vector<TokenId>& ids = pool_->meta_[table_[j]].ids;
+      if (ids.size() != b) return;
       const std::uint64_t parent = j == 0 ? 0 : keys_.back();
-      const auto ids = std::span<const TokenId>(ids_).subspan(j * b, b);
       const std::uint64_t key = BlockPool<T>::chain_key(parent, ids);
-      pool_->key_block(table_[j], parent, key, ids);
+      pool_->key_block(table_[j], parent, key);
       keys_.push_back(key);
+    }
+  }
+
+  /// For check_invariants: the ids this sequence knows are those its blocks recorded for the
+  /// rows it holds, and its chain keys hash from them.
+  template <class Fail>
+  void check_ids(const Fail& fail) const {
+    const std::size_t b = block();
+    const std::size_t held = held_tokens();
+    const std::string name = "a sequence's ";
+    if (table_.size() != (held + b - 1) / b) {
+      fail(name + "table holds " + std::to_string(table_.size()) + " blocks for " + std::to_string(held) + " tokens");
+    }
+    for (std::size_t p = 0; p < std::min(held, ids_.size()); ++p) {
+      const std::vector<TokenId>& recorded = pool_->meta_[table_[p / b]].ids;
+      if (p % b >= recorded.size() || recorded[p % b] != ids_[p]) {
+        fail(name + "token " + std::to_string(p) + " has id " + std::to_string(ids_[p]) + ", its block " +
+             std::to_string(table_[p / b]) + " recorded " +
+             (p % b < recorded.size() ? std::to_string(recorded[p % b]) : std::string("none")));
+      }
+    }
+    if (keys_.size() * b > held) fail(name + "chain keys cover more blocks than it holds");
+    for (std::size_t j = 0; j < keys_.size(); ++j) {
+      const std::vector<TokenId>& recorded = pool_->meta_[table_[j]].ids;
+      if (recorded.size() != b || BlockPool<T>::chain_key(j == 0 ? 0 : keys_[j - 1], recorded) != keys_[j])
+        fail(name + "chain key of block " + std::to_string(j) + " is not its recorded ids'");
     }
   }
 
@@ -597,7 +681,8 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
 
   void leave() noexcept {
     if (pool_ == nullptr) return;
-    for (const std::size_t b : table_) pool_->drop(b);
+    // Last block first: the free list then evicts a prefix's tail before its root.
+    for (auto b = table_.rbegin(); b != table_.rend(); ++b) pool_->drop(*b);
     table_.clear();
     auto& all = pool_->sequences_;
     all.erase(std::remove(all.begin(), all.end(), this), all.end());
