@@ -5,9 +5,11 @@
 // This header brings all of it.
 
 #include "kvcache/attention.hpp"
+#include "kvcache/block_store.hpp"
 #include "kvcache/concat_kv_cache.hpp"
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
+#include "kvcache/file_block_store.hpp"
 #include "kvcache/kv_cache.hpp"
 #include "kvcache/paged_kv_cache.hpp"
 #include "kvcache/quantized.hpp"

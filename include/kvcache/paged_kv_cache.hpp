@@ -14,9 +14,11 @@
 #include <utility>
 #include <vector>
 
+#include "kvcache/block_store.hpp"
 #include "kvcache/codec.hpp"
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"
+#include "kvcache/detail/block_record.hpp"
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/row_store.hpp"
@@ -318,7 +320,8 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
         table_(std::move(other.table_)),
         ids_(std::move(other.ids_)),
         keys_(std::move(other.keys_)),
-        segments_(std::move(other.segments_)) {
+        segments_(std::move(other.segments_)),
+        refetch_from_(other.refetch_from_) {
     other.table_.clear();
     if (pool_ != nullptr)
       std::replace(pool_->sequences_.begin(), pool_->sequences_.end(), &std::as_const(other), &std::as_const(*this));
@@ -333,6 +336,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       ids_ = std::move(other.ids_);
       keys_ = std::move(other.keys_);
       segments_ = std::move(other.segments_);
+      refetch_from_ = other.refetch_from_;
       if (pool_ != nullptr)
         std::replace(pool_->sequences_.begin(), pool_->sequences_.end(), &std::as_const(other), &std::as_const(*this));
     }
@@ -372,6 +376,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     set_all_lengths(0);
     ids_.clear();
     keys_.clear();
+    refetch_from_ = kNone;
     shrink_table();
   }
 
@@ -396,35 +401,111 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   /// prompt: a whole number of blocks, but never the whole prompt (its last token is fed for
   /// its logits). std::logic_error unless the sequence is empty.
   std::size_t reuse_prefix(std::span<const TokenId> prompt) {
-    const std::size_t held = held_tokens();  // not length(): that throws when a pass stopped part-way
-    if (held != 0 || !ids_.empty()) {
-      throw std::logic_error(detail::expected_given(
-          "PagedKvCache::reuse_prefix", "an empty sequence",
-          std::to_string(held) + " tokens and " + std::to_string(ids_.size()) + " token ids held"));
-    }
-    const std::size_t b = block();
-    std::uint64_t parent = 0;
-    std::size_t matched = 0;
-    while ((matched + 1) * b <= prompt.size()) {
-      const auto ids = prompt.subspan(matched * b, b);
-      const std::uint64_t key = BlockPool<T>::chain_key(parent, ids);
-      const std::size_t found = pool_->find(key, ids);
-      if (found == pool_->blocks()) break;
-      pool_->hold(found);
-      table_.push_back(found);
-      keys_.push_back(key);
-      parent = key;
-      ++matched;
-    }
-    ids_.assign(prompt.begin(), prompt.end());
-    // The whole prompt found: its last token is left to be fed, into the last block (copied
-    // first if shared), which keeps that token's id.
-    const std::size_t skip = matched * b == prompt.size() && matched != 0 ? prompt.size() - 1 : matched * b;
-    keys_.resize(skip / b);
-    set_all_lengths(skip);
-    shrink_table();  // blocks of one token: the last one is not held
-    return skip;
+    check_empty("PagedKvCache::reuse_prefix");
+    reserve_for(prompt);
+    return finish_reuse(prompt, take_pool_prefix(prompt));
   }
+
+  /// reuse_prefix(prompt), then the prompt's following full blocks from `store` (a BlockStore,
+  /// block_store.hpp) into free blocks of the pool, up to the first the store lacks. Each fetched
+  /// record is verified whole (checksums; namespace: the store's model, this pool's format and
+  /// shape; key; the token ids, which must be the prompt's) before it reaches a block, then its
+  /// block records those ids and is keyed as a computed one. A fault (a corrupt or foreign record,
+  /// the store failing, no free block) stops the fetch: the sequence holds the blocks found
+  /// before it and the result's `error` names what failed; batches of up to kStoreBatch blocks are
+  /// fetched at once, and a batch the store fails part-way gives none of its blocks. Never throws
+  /// for a fault of the store; std::logic_error unless the sequence is empty.
+  template <BlockStore Store>
+  PrefixReuse reuse_prefix(std::span<const TokenId> prompt, Store& store) {
+    check_empty("PagedKvCache::reuse_prefix");
+    reserve_for(prompt);
+    PrefixReuse result;
+    std::size_t matched = take_pool_prefix(prompt);
+    result.pool_blocks = matched;
+    const std::size_t b = block(), full = prompt.size() / b;
+    refetch_from_ = kNone;
+    std::size_t bad = kNone;  // a block whose record failed verification
+    try {
+      if (matched < full) {
+        const detail::BlockSpace space = store_space(store.model());
+        const std::vector<BlockKey> keys = detail::prompt_keys(space, prompt, b, full);
+        std::vector<std::string> records;
+        while (matched < full) {
+          const std::size_t batch = std::min({kStoreBatch, full - matched, pool_->free_blocks()});
+          if (batch == 0) throw BlockStoreError("no free block in the pool for the store's blocks");
+          records.resize(batch);
+          const std::size_t got = store.get(std::span(keys).subspan(matched, batch), records);
+          for (std::size_t i = 0; i < got; ++i, ++matched) {
+            const std::size_t j = matched;
+            const BlockKey parent = j == 0 ? BlockKey{} : keys[j - 1];
+            const auto ids = prompt.subspan(j * b, b);
+            const std::size_t slot = pool_->free_.front() * b;  // the block take_free() takes below
+            std::vector<std::string_view> layers;
+            try {
+              layers = detail::verify_block<T>(records[i], space, keys[j], parent, ids, pool_->rows_, slot, b);
+            } catch (const std::runtime_error& e) {
+              bad = j;
+              throw BlockStoreError("block " + std::to_string(j) + " of the prompt (key " + keys[j].hex() +
+                                    "): " + e.what());
+            }
+            place_fetched(layers, ids);
+            ++result.store_blocks;
+          }
+          if (got < batch) break;  // the store lacks the next block: a plain miss
+        }
+      }
+    } catch (const std::exception& e) {
+      result.error = e.what();
+      refetch_from_ = bad;
+    }
+    result.tokens = finish_reuse(prompt, matched);
+    return result;
+  }
+
+  /// Writes this sequence's full keyed blocks (those whose every token id it knows) to `store`,
+  /// past the leading ones the store already holds, so that other processes find them; a block
+  /// the last reuse_prefix(prompt, store) found corrupt there is written again. Call it once a
+  /// prompt's prefill is done: a write never happens inside update(). Never throws for a fault of
+  /// the store: the result's `error` names it, and the records written before it stay (each
+  /// whole). The sequence and the pool are unchanged either way.
+  template <BlockStore Store>
+  PrefixSave save_prefix(Store& store) const {
+    PrefixSave result;
+    const std::size_t b = block(), full = std::min(keys_.size(), ids_.size() / b);
+    std::vector<BlockKey> keys;
+    std::size_t done = 0, attempted = 0;
+    try {
+      const detail::BlockSpace space = store_space(store.model());
+      keys = detail::prompt_keys(space, ids_, b, full);
+      result.held = std::min(store.contains(keys), refetch_from_);
+      std::vector<std::string> records;
+      for (done = result.held; done < full;) {
+        const std::size_t batch = std::min(kStoreBatch, full - done);
+        attempted = done + batch;
+        records.clear();
+        for (std::size_t j = done; j < done + batch; ++j) {
+          records.push_back(detail::encode_block<T>(space, keys[j], j == 0 ? BlockKey{} : keys[j - 1],
+                                                    std::span<const TokenId>(ids_).subspan(j * b, b), pool_->rows_,
+                                                    table_[j] * b, b));
+        }
+        store.put(std::span(keys).subspan(done, batch), records);
+        done += batch;
+        result.written = done - result.held;
+      }
+    } catch (const std::exception& e) {
+      result.error = e.what();
+      try {  // how many the failing batch wrote before it failed
+        if (attempted > done) result.written = std::max(done, std::min(attempted, store.contains(keys))) - result.held;
+      } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): the first error is the one to report
+      }
+    }
+    return result;
+  }
+
+  /// Blocks a store call moves at once: a batch is fetched (or written) together, and a fetch
+  /// holds its records in memory until they are verified.
+  static constexpr std::size_t kStoreBatch = 16;
+
   /// Gives the ids of the next tokens, those to be fed after the ones whose ids are known
   /// (a generated token's, before feeding it), so that the blocks they fill are keyed for reuse.
   /// std::logic_error once the sequence holds tokens whose ids it was not given: ids given
@@ -662,6 +743,76 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     }
   }
 
+  static constexpr std::size_t kNone = ~std::size_t{0};
+
+  /// std::logic_error unless the sequence holds no token and no id.
+  void check_empty(const char* call) const {
+    const std::size_t held = held_tokens();  // not length(): that throws when a pass stopped part-way
+    if (held != 0 || !ids_.empty()) {
+      throw std::logic_error(detail::expected_given(
+          call, "an empty sequence",
+          std::to_string(held) + " tokens and " + std::to_string(ids_.size()) + " token ids held"));
+    }
+  }
+  /// Room for a prompt's blocks and ids, so that taking them allocates nothing.
+  void reserve_for(std::span<const TokenId> prompt) {
+    table_.reserve(prompt.size() / block());
+    keys_.reserve(prompt.size() / block());
+    ids_.reserve(prompt.size());
+  }
+  /// Takes the pool's blocks holding the prompt's longest keyed prefix of full blocks; returns
+  /// how many.
+  std::size_t take_pool_prefix(std::span<const TokenId> prompt) noexcept {
+    const std::size_t b = block();
+    std::uint64_t parent = 0;
+    std::size_t matched = 0;
+    while ((matched + 1) * b <= prompt.size()) {
+      const auto ids = prompt.subspan(matched * b, b);
+      const std::uint64_t key = BlockPool<T>::chain_key(parent, ids);
+      const std::size_t found = pool_->find(key, ids);
+      if (found == pool_->blocks()) break;
+      pool_->hold(found);
+      table_.push_back(found);
+      keys_.push_back(key);
+      parent = key;
+      ++matched;
+    }
+    return matched;
+  }
+  /// The prompt's `matched` leading blocks taken: keeps its ids and returns the tokens to skip.
+  /// The whole prompt found: its last token is left to be fed, into the last block (copied
+  /// first if shared), which keeps that token's id.
+  std::size_t finish_reuse(std::span<const TokenId> prompt, std::size_t matched) noexcept {
+    const std::size_t b = block();
+    ids_.assign(prompt.begin(), prompt.end());
+    const std::size_t skip = matched * b == prompt.size() && matched != 0 ? prompt.size() - 1 : matched * b;
+    keys_.resize(skip / b);
+    set_all_lengths(skip);
+    shrink_table();  // blocks of one token: the last one is not held
+    return skip;
+  }
+  /// This pool's namespace in a store of `model`'s blocks.
+  [[nodiscard]] detail::BlockSpace store_space(std::string_view model) const {
+    return detail::block_space<T>(model, block(), layers(), kv_heads(), head_dim(), pool_->head_scales(false),
+                                  pool_->head_scales(true));
+  }
+  /// Puts a verified record's rows (verify_block's payloads) for the prompt's next block, of
+  /// `ids`, into a free block, which records the ids, is keyed, and joins the table.
+  void place_fetched(std::span<const std::string_view> layers, std::span<const TokenId> ids) noexcept {
+    const std::size_t b = block();
+    const std::size_t taken = pool_->take_free();
+    detail::copy_block_rows<T>(layers, pool_->rows_, taken * b, b);
+    pool_->meta_[taken].ids.assign(ids.begin(), ids.end());  // within the capacity reserved for it
+    const std::uint64_t parent = keys_.empty() ? 0 : keys_.back();
+    const std::uint64_t key = BlockPool<T>::chain_key(parent, ids);
+    try {
+      pool_->key_block(taken, parent, key);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): std::bad_alloc: the block is only not offered to others
+    }
+    table_.push_back(taken);  // within reserve_for's room
+    keys_.push_back(key);
+  }
+
   /// The most tokens any layer holds (the layers differ while a pass is part-way).
   [[nodiscard]] std::size_t held_tokens() const noexcept {
     std::size_t held = 0;
@@ -694,6 +845,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   std::vector<TokenId> ids_;                       // token ids known, from position 0
   std::vector<std::uint64_t> keys_;                // chain key of each leading full block keyed
   std::vector<std::vector<Segment<T>>> segments_;  // per layer, what the last update returned
+  std::size_t refetch_from_ = kNone;               // the first block the last store fetch found corrupt
 };
 
 static_assert(kv_cache_protocol<PagedKvCache<float>>);

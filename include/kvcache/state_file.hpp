@@ -49,6 +49,7 @@
 #include "kvcache/codec.hpp"
 #include "kvcache/config.hpp"
 #include "kvcache/detail/assert.hpp"
+#include "kvcache/detail/atomic_file.hpp"
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/crc32c.hpp"
 #include "kvcache/detail/row_store.hpp"
@@ -843,27 +844,21 @@ void save_state(const Cache& cache, std::ostream& out, std::string_view metadata
   if (!out) throw std::runtime_error("kvcache::save_state: the stream refused to flush");
 }
 
-/// save_state() to the file at `path`, through `path` + ".partial" renamed over it once whole:
-/// a save that fails leaves an earlier file at `path` as it was. Throws std::runtime_error or
-/// std::filesystem::filesystem_error for a file it cannot write.
+/// save_state() to the file at `path`, atomically and durably: written to a temporary file in
+/// the same directory, synced, renamed over `path`, and the directory synced. A reader, or a
+/// crash at any point, finds the earlier file at `path` or the new one, never a torn one.
+/// Throws std::runtime_error naming the file, the step and the system's reason (disk full, ...)
+/// for a file it cannot write; `path` is then as it was.
 template <class Cache>
 void save_state(const Cache& cache, const std::filesystem::path& path, std::string_view metadata = {}) {
-  std::filesystem::path partial = path;
-  partial += ".partial";
+  detail::AtomicFile file(path, "kvcache::save_state");
   try {
-    {
-      std::ofstream out(partial, std::ios::binary | std::ios::trunc);
-      if (!out) throw std::runtime_error("kvcache::save_state: cannot open " + partial.string() + " for writing");
-      save_state(cache, out, metadata);
-      out.close();
-      if (!out) throw std::runtime_error("kvcache::save_state: cannot close " + partial.string());
-    }
-    std::filesystem::rename(partial, path);
-  } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(partial, ignored);
+    save_state(cache, file.stream(), metadata);
+  } catch (const std::runtime_error&) {
+    file.check();  // the system's reason, when a write failed
     throw;
   }
+  file.commit();
 }
 
 /// Replaces `cache`'s state with the one saved in `in` and returns the file's metadata. The
