@@ -4,9 +4,9 @@
 // 3.5 GiB), and each iteration times, in turn, on one file in $KVCACHE_STATE_BENCH_DIR (else the
 // system's temporary directory):
 //
-// - save: save_state to the file (into the page cache); save_sync: save_state then fsync (to the
-//   disk); write_sync: the same bytes written from the cache's rows with a plain ofstream, then
-//   fsync: the disk's rate;
+// - save: save_state to an ofstream of the file (into the page cache); save_sync: save_state to
+//   the path (a temporary file, fsync, rename, fsync of the directory: to the disk); write_sync:
+//   the same bytes written from the cache's rows with a plain ofstream, then fsync: the disk's rate;
 // - load_cold: load_state into the cache reset to no tokens, the file evicted from the page cache
 //   first (from the disk); read_cold: a plain read of the file evicted the same way;
 // - load: load_state into the cache reset to no tokens, from the page cache (one pass);
@@ -113,11 +113,11 @@ void BM_StateSaveLoad(benchmark::State& state) {
 
   std::vector<double> save, save_sync, write_sync, load_cold, read_cold, load, load_verify, copy;
   for (auto _ : state) {
-    save.push_back(time_call([&] { kvcache::save_state(cache, file); }));
-    save_sync.push_back(time_call([&] {
-      kvcache::save_state(cache, file);
-      sync_and_evict(file, false);
+    save.push_back(time_call([&] {
+      std::ofstream out(file, std::ios::binary | std::ios::trunc);
+      kvcache::save_state(cache, out);
     }));
+    save_sync.push_back(time_call([&] { kvcache::save_state(cache, file); }));
     write_sync.push_back(time_call([&] {
       std::ofstream out(plain, std::ios::binary | std::ios::trunc);
       for_each_row_run(cache,

@@ -518,6 +518,33 @@ void expect_only_on_an_empty_sequence(const Make& make) {
   pool->check_invariants();
 }
 
+/// Every storage format, for the typed suites of the scenarios above.
+using StoreFormats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
+struct StoreFormatName {
+  template <class T>
+  static std::string GetName(int) {
+    return storage_codec<T>::name;
+  }
+};
+
+/// The scenarios above as the typed suite `Suite` over every format: `Suite` is a fixture
+/// template whose factory() makes the backend's stores.
+#define KVCACHE_BLOCK_STORE_SCENARIOS(Suite)                                         \
+  TYPED_TEST_SUITE(Suite, StoreFormats, StoreFormatName);                            \
+  TYPED_TEST(Suite, APrefixSavedByAnotherPoolIsReusedWithTheRowsOfComputingIt) {     \
+    expect_prefix_from_another_pool<TypeParam>(this->factory());                     \
+  }                                                                                  \
+  TYPED_TEST(Suite, APromptFoundWholeInThePoolAndTheStoreLeavesItsLastTokenToFeed) { \
+    expect_whole_prompt_and_pool_first<TypeParam>(this->factory());                  \
+  }                                                                                  \
+  TYPED_TEST(Suite, AnotherModelScalesOrPromptIsAMissAndAFullPoolTakesWhatFits) {    \
+    expect_misses_and_a_full_pool<TypeParam>(this->factory());                       \
+  }                                                                                  \
+  TYPED_TEST(Suite, EveryFaultOfARecordStopsTheFetchBeforeItNamingIt) {              \
+    expect_record_faults<TypeParam>(this->factory());                                \
+  }                                                                                  \
+  TYPED_TEST(Suite, OnlyAnEmptySequenceReuses) { expect_only_on_an_empty_sequence<TypeParam>(this->factory()); }
+
 // ---- two processes sharing a store -----------------------------------------------------------
 
 /// A child process runs a prompt through the tiny Qwen3 model over a paged cache and saves its

@@ -175,33 +175,10 @@ TEST(FileBlockStore, AByteChangedOnTheDiskIsCaughtByTheFetch) {
 template <class T>
 class FileStoreReuse : public ::testing::Test {
  protected:
+  [[nodiscard]] auto factory() const { return files.factory(); }
   Files files;
 };
-
-using Formats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
-struct FormatName {
-  template <class T>
-  static std::string GetName(int) {
-    return storage_codec<T>::name;
-  }
-};
-TYPED_TEST_SUITE(FileStoreReuse, Formats, FormatName);
-
-TYPED_TEST(FileStoreReuse, APrefixSavedByAnotherPoolIsReusedWithTheRowsOfComputingIt) {
-  expect_prefix_from_another_pool<TypeParam>(this->files.factory());
-}
-TYPED_TEST(FileStoreReuse, APromptFoundWholeInThePoolAndTheStoreLeavesItsLastTokenToFeed) {
-  expect_whole_prompt_and_pool_first<TypeParam>(this->files.factory());
-}
-TYPED_TEST(FileStoreReuse, AnotherModelScalesOrPromptIsAMissAndAFullPoolTakesWhatFits) {
-  expect_misses_and_a_full_pool<TypeParam>(this->files.factory());
-}
-TYPED_TEST(FileStoreReuse, EveryFaultOfARecordStopsTheFetchBeforeItNamingIt) {
-  expect_record_faults<TypeParam>(this->files.factory());
-}
-TYPED_TEST(FileStoreReuse, OnlyAnEmptySequenceReuses) {
-  expect_only_on_an_empty_sequence<TypeParam>(this->files.factory());
-}
+KVCACHE_BLOCK_STORE_SCENARIOS(FileStoreReuse)
 
 TEST(FileBlockStoreProcesses, ASecondProcessReusesTheFirstsPrefixWithTheLogitsOfRecomputing) {
   const Files files;

@@ -289,6 +289,7 @@ class BlockPool : private detail::CacheBase {
   std::unordered_map<std::uint64_t, std::size_t> keyed_;
   std::vector<std::int64_t> positions_;            // 0, 1, ..., capacity - 1
   std::vector<const PagedKvCache<T>*> sequences_;  // for check_invariants
+  std::vector<std::string> fetched_;               // a store fetch's records, their memory kept for the next
 };
 
 /// One sequence in a BlockPool, following the protocol like KvCache: a model runs over it
@@ -412,9 +413,10 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   /// shape; key; the token ids, which must be the prompt's) before it reaches a block, then its
   /// block records those ids and is keyed as a computed one. A fault (a corrupt or foreign record,
   /// the store failing, no free block) stops the fetch: the sequence holds the blocks found
-  /// before it and the result's `error` names what failed; batches of up to kStoreBatch blocks are
-  /// fetched at once, and a batch the store fails part-way gives none of its blocks. Never throws
-  /// for a fault of the store; std::logic_error unless the sequence is empty.
+  /// before it and the result's `error` names what failed. Batches of up to kStoreBatch blocks
+  /// (kStoreBatchBytes) are fetched at once, into memory the pool keeps for its next fetch; a batch
+  /// the store fails part-way gives none of its blocks. Never throws for a fault of the store;
+  /// std::logic_error unless the sequence is empty.
   template <BlockStore Store>
   PrefixReuse reuse_prefix(std::span<const TokenId> prompt, Store& store) {
     check_empty("PagedKvCache::reuse_prefix");
@@ -429,9 +431,9 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       if (matched < full) {
         const detail::BlockSpace space = store_space(store.model());
         const std::vector<BlockKey> keys = detail::prompt_keys(space, prompt, b, full);
-        std::vector<std::string> records;
+        std::vector<std::string>& records = pool_->fetched_;  // its memory kept for the next fetch
         while (matched < full) {
-          const std::size_t batch = std::min({kStoreBatch, full - matched, pool_->free_blocks()});
+          const std::size_t batch = std::min({store_batch(), full - matched, pool_->free_blocks()});
           if (batch == 0) throw BlockStoreError("no free block in the pool for the store's blocks");
           records.resize(batch);
           const std::size_t got = store.get(std::span(keys).subspan(matched, batch), records);
@@ -480,7 +482,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       result.held = std::min(store.contains(keys), refetch_from_);
       std::vector<std::string> records;
       for (done = result.held; done < full;) {
-        const std::size_t batch = std::min(kStoreBatch, full - done);
+        const std::size_t batch = std::min(store_batch(), full - done);
         attempted = done + batch;
         records.clear();
         for (std::size_t j = done; j < done + batch; ++j) {
@@ -502,9 +504,10 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     return result;
   }
 
-  /// Blocks a store call moves at once: a batch is fetched (or written) together, and a fetch
-  /// holds its records in memory until they are verified.
+  /// Blocks a store call moves at most at once, and bytes of them: a batch is fetched (or
+  /// written) together, and a fetch holds its records in memory until they are verified.
   static constexpr std::size_t kStoreBatch = 16;
+  static constexpr std::size_t kStoreBatchBytes = std::size_t{64} << 20;
 
   /// Gives the ids of the next tokens, those to be fed after the ones whose ids are known
   /// (a generated token's, before feeding it), so that the blocks they fill are keyed for reuse.
@@ -744,6 +747,12 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   }
 
   static constexpr std::size_t kNone = ~std::size_t{0};
+
+  /// Blocks of this pool a store call moves at once: kStoreBatch, fewer for blocks so large
+  /// that their records would pass kStoreBatchBytes, at least one.
+  [[nodiscard]] std::size_t store_batch() const noexcept {
+    return std::clamp<std::size_t>(kStoreBatchBytes / std::max<std::size_t>(pool_->block_bytes(), 1), 1, kStoreBatch);
+  }
 
   /// std::logic_error unless the sequence holds no token and no id.
   void check_empty(const char* call) const {

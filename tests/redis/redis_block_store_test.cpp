@@ -111,32 +111,11 @@ TEST_F(RedisStore, AValueChangedOnTheServerIsCaughtByTheFetch) {
 // ---- the shared scenarios, in every format ----------------------------------------------------
 
 template <class T>
-class RedisStoreReuse : public RedisStore {};
-
-using Formats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
-struct FormatName {
-  template <class T>
-  static std::string GetName(int) {
-    return storage_codec<T>::name;
-  }
+class RedisStoreReuse : public RedisStore {
+ protected:
+  [[nodiscard]] auto factory() const { return redis_.factory(); }
 };
-TYPED_TEST_SUITE(RedisStoreReuse, Formats, FormatName);
-
-TYPED_TEST(RedisStoreReuse, APrefixSavedByAnotherPoolIsReusedWithTheRowsOfComputingIt) {
-  expect_prefix_from_another_pool<TypeParam>(this->redis_.factory());
-}
-TYPED_TEST(RedisStoreReuse, APromptFoundWholeInThePoolAndTheStoreLeavesItsLastTokenToFeed) {
-  expect_whole_prompt_and_pool_first<TypeParam>(this->redis_.factory());
-}
-TYPED_TEST(RedisStoreReuse, AnotherModelScalesOrPromptIsAMissAndAFullPoolTakesWhatFits) {
-  expect_misses_and_a_full_pool<TypeParam>(this->redis_.factory());
-}
-TYPED_TEST(RedisStoreReuse, EveryFaultOfARecordStopsTheFetchBeforeItNamingIt) {
-  expect_record_faults<TypeParam>(this->redis_.factory());
-}
-TYPED_TEST(RedisStoreReuse, OnlyAnEmptySequenceReuses) {
-  expect_only_on_an_empty_sequence<TypeParam>(this->redis_.factory());
-}
+KVCACHE_BLOCK_STORE_SCENARIOS(RedisStoreReuse)
 
 TEST_F(RedisStore, ASecondProcessReusesTheFirstsPrefixWithTheLogitsOfRecomputing) {
   expect_two_processes_share(redis_.factory());

@@ -118,8 +118,9 @@ std::string encode_block(const BlockSpace& space, const BlockKey& key, const Blo
     });
     append(&crc, sizeof crc);
   };
-  for (const auto& [tag, bytes] : {std::pair{"NSPC", &space.payload}, std::pair{"BLCK", &block.bytes()}}) {
-    section(tag, kWholeCache, bytes->size(), [&](const auto& emit) { emit(bytes->data(), bytes->size()); });
+  for (const auto& small : {std::pair{"NSPC", &space.payload}, std::pair{"BLCK", &block.bytes()}}) {
+    const std::string& bytes = *small.second;
+    section(small.first, kWholeCache, bytes.size(), [&](const auto& emit) { emit(bytes.data(), bytes.size()); });
   }
   for (std::size_t l = 0; l < rows.size(); ++l) {
     section("ROWS", l, block_row_bytes(rows[l], slot, block_tokens), [&](const auto& emit) {
