@@ -10,6 +10,7 @@ kvcache_stop_redis() {
   if [[ -n "${KVCACHE_REDIS_PID:-}" ]]; then
     kill "$KVCACHE_REDIS_PID" 2>/dev/null || true
     wait "$KVCACHE_REDIS_PID" 2>/dev/null || true
+    rm -f "${TMPDIR:-/tmp}/kvcache-redis-$KVCACHE_REDIS_PORT.log"
     echo "kvcache: stopped the test Redis server on port $KVCACHE_REDIS_PORT"
     unset KVCACHE_REDIS_PID KVCACHE_REDIS_PORT
   fi
@@ -35,7 +36,7 @@ kvcache_start_redis() {
     echo "kvcache: redis-server is not installed: the Redis block store's tests will be skipped" >&2
     return 0
   fi
-  local attempt port pid wait
+  local attempt port pid try
   for attempt in 1 2 3 4 5 6 7 8 9 10; do
     port=$((20000 + RANDOM % 40000))
     if { exec 3<>"/dev/tcp/127.0.0.1/$port"; } 2>/dev/null; then  # taken
@@ -45,7 +46,7 @@ kvcache_start_redis() {
     redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --daemonize no \
       --logfile "${TMPDIR:-/tmp}/kvcache-redis-$port.log" &
     pid=$!
-    for wait in $(seq 50); do
+    for try in $(seq 50); do
       if kvcache_redis_answers "$port"; then
         export KVCACHE_REDIS_PORT="$port"
         KVCACHE_REDIS_PID="$pid"
@@ -53,7 +54,7 @@ kvcache_start_redis() {
         echo "kvcache: a Redis server for the tests on 127.0.0.1:$port (pid $pid)"
         return 0
       fi
-      kill -0 "$pid" 2>/dev/null || break  # it exited: the port was taken meanwhile
+      kill -0 "$pid" 2>/dev/null || break  # it exited (the port was taken meanwhile: see its log)
       sleep 0.1
     done
     kill "$pid" 2>/dev/null || true

@@ -12,7 +12,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -27,8 +27,6 @@
 #include <string_view>
 #include <thread>
 #include <vector>
-
-extern char** environ;  // NOLINT(readability-redundant-declaration): POSIX declares it nowhere
 
 namespace kvcache::testing {
 
@@ -87,18 +85,29 @@ class RedisServer {
       std::vector<char*> argv;
       for (std::string& w : words) argv.push_back(w.data());
       argv.push_back(nullptr);
-      if (posix_spawnp(&pid_, binary.c_str(), nullptr, nullptr, argv.data(), environ) != 0) {
-        throw std::runtime_error("RedisServer: cannot start " + binary + " (install redis-server)");
+      pid_ = ::fork();
+      if (pid_ == 0) {  // only system calls until exec; the server dies with the test
+        ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+        const int null = ::open("/dev/null", O_WRONLY);
+        ::dup2(null, STDOUT_FILENO);
+        ::dup2(null, STDERR_FILENO);
+        ::execvp(binary.c_str(), argv.data());
+        ::_exit(127);
       }
+      if (pid_ < 0) throw std::runtime_error("RedisServer: cannot fork");
       for (int wait = 0; wait < 100; ++wait) {
         if (answers(port_)) return;
         int status = 0;
-        if (::waitpid(pid_, &status, WNOHANG) == pid_) break;  // it exited: the port was taken meanwhile
+        if (::waitpid(pid_, &status, WNOHANG) == pid_) {  // it exited: the port was taken meanwhile, or no binary
+          pid_ = -1;
+          break;
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
       stop();
     }
-    throw std::runtime_error("RedisServer: " + binary + " did not answer on any of 5 ports");
+    throw std::runtime_error("RedisServer: " + binary +
+                             " did not answer on any of 5 ports (is redis-server installed?)");
   }
   RedisServer(const RedisServer&) = delete;
   RedisServer& operator=(const RedisServer&) = delete;
