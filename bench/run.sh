@@ -75,6 +75,10 @@ fi
   free -h
 } >"$results/machine.txt"
 
+# store_bench measures the Redis block store against a server of its own (stopped on exit).
+source scripts/redis-for-tests.sh
+kvcache_start_redis || echo "run.sh: no Redis server: store_bench's Redis cases will be skipped" >&2
+
 for bench in "${benches[@]}"; do
   echo "== $bench"
   # KVCACHE_BENCH_SMOKE would register only the tiny cases: never for figures.
