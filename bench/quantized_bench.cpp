@@ -36,10 +36,22 @@ using kvcache::bench::time_call;
 
 constexpr std::size_t kHeads = 8, kDim = 128;
 
+/// The config of a cache of format T holding `tokens` keys: a format with head scales is given
+/// ones that cover the seeded values (normal, of deviation 1).
+template <class T>
+kvcache::KvCacheConfig config_of(std::size_t tokens) {
+  kvcache::KvCacheConfig config{.layers = 1, .kv_heads = kHeads, .head_dim = kDim, .capacity = tokens};
+  if constexpr (kvcache::detail::has_head_scales<T>) {
+    static const std::vector<float> scales(kHeads, 6.0F / 448.0F);
+    config.key_scales = config.value_scales = scales;
+  }
+  return config;
+}
+
 /// A cache of format T holding `tokens` keys of seeded values, written in chunks.
 template <class T>
 kvcache::KvCache<T> filled_cache(std::size_t tokens) {
-  kvcache::KvCache<T> cache({.layers = 1, .kv_heads = kHeads, .head_dim = kDim, .capacity = tokens});
+  kvcache::KvCache<T> cache(config_of<T>(tokens));
   constexpr std::size_t kChunk = 2048;
   const std::vector<float> k = normal_floats(kHeads * kChunk * kDim, 1), v = normal_floats(k.size(), 2);
   for (std::size_t first = 0; first < tokens; first += kChunk) {
@@ -112,7 +124,7 @@ void BM_QuantizedDecode(benchmark::State& state) {
 template <class T>
 void BM_QuantizedUpdate(benchmark::State& state) {
   constexpr std::size_t kChunk = 512;
-  kvcache::KvCache<T> cache({.layers = 1, .kv_heads = kHeads, .head_dim = kDim, .capacity = kChunk});
+  kvcache::KvCache<T> cache(config_of<T>(kChunk));
   const std::vector<float> k = normal_floats(kHeads * kChunk * kDim, 4), v = normal_floats(k.size(), 5);
   std::vector<float> copy_k(k.size()), copy_v(v.size());
   std::vector<std::int64_t> positions(kChunk);
@@ -154,8 +166,10 @@ void register_format(const char* name) {
 
 int main(int argc, char** argv) {
   register_format<kvcache::fp8_e4m3>("fp8_e4m3");
+  register_format<kvcache::fp8_e4m3_heads>("fp8_e4m3_heads");
   register_format<kvcache::int8_rows>("int8_rows");
   register_format<kvcache::int4_groups>("int4_groups");
+  register_format<kvcache::int4_rotated>("int4_rotated");
   register_format<Eigen::bfloat16>("bfloat16");
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

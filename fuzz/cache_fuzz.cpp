@@ -164,7 +164,6 @@ struct Setup {
   std::size_t layers = 1, kv_heads = 1, head_dim = 1, group = 1, batch = 1, slots = 1, capacity = 1;
   std::size_t window = 1, sinks = 0, slack = 0, ring_capacity = 0;
   std::size_t block_tokens = 1, blocks = 1, pool_capacity = 0;
-  bool given_scales = false;
   std::uint64_t seed = 0;
 };
 
@@ -188,7 +187,7 @@ Setup read_setup(Bytes& in) {
   s.blocks = in.pick(1, 16);
   const std::uint8_t pool_capacity = in.byte();
   s.pool_capacity = pool_capacity % 2 == 0 ? 0 : 1 + pool_capacity / 2 % (s.blocks * s.block_tokens + 4);
-  s.given_scales = in.one_in(2);
+  (void)in.byte();  // chose whether head scales were given; a format with them now requires them
   s.seed = in.byte();
   return s;
 }
@@ -245,7 +244,14 @@ void attend(const std::vector<In>& q, const Shape& shape, const Positions& posit
     }
     const Acc scale = Acc{1} / std::sqrt(static_cast<Acc>(shape.head_dim));
     const detail::VisibilityRule rule(history.window, history.sinks, options.window, options.sinks);
-    detail::attend<16>(detail::query_rows<Acc>(q_view, positions, out_view), history, rule, scale, options);
+    if constexpr (detail::is_rotated<T>) {
+      detail::with_rotated_queries<T>(q_view, out_view, [&](const TensorView<float>& rows) {
+        detail::attend<16>(detail::query_rows<float>(TensorView<const float>(rows), positions, rows), history, rule,
+                           scale, options);
+      });
+    } else {
+      detail::attend<16>(detail::query_rows<Acc>(q_view, positions, out_view), history, rule, scale, options);
+    }
   }
 }
 
@@ -260,11 +266,9 @@ class Format {
   static constexpr bool kRowScales = Codec::row_scales && !kHeadScales;
   static constexpr bool kChecksInput = detail::checks_input<T>;
 
-  Format(const Setup& s, std::size_t layers)
-      : layers_(layers), heads_(s.kv_heads), dim_(s.head_dim), units_(Codec::units(s.head_dim)) {
-    given_ = kHeadScales && s.given_scales;
+  Format(const Setup& s, std::size_t layers) : heads_(s.kv_heads), dim_(s.head_dim), units_(Codec::units(s.head_dim)) {
     static constexpr std::array<float, 4> kScales = {1.0F / 448.0F, 1.0F / 64.0F, 2.0F, 1e-3F};
-    if (given_) {
+    if constexpr (kHeadScales) {
       for (std::size_t i = 0; i < layers * heads_; ++i) {
         config_keys_.push_back(kScales[(s.seed + i) % 4]);
         config_values_.push_back(kScales[(s.seed + 3 * i + 1) % 4]);
@@ -277,36 +281,21 @@ class Format {
   [[nodiscard]] std::span<const float> config_values() const { return config_values_; }
   [[nodiscard]] std::size_t clipped() const { return clipped_; }
 
-  /// What reset() does to the head scales: those set by updates are forgotten.
+  /// What reset() does to the head scales: they stay the config's.
   void reset_scales() {
-    if (!kHeadScales) return;
-    keys_ = given_ ? config_keys_ : std::vector<float>(layers_ * heads_, 0.0F);
-    values_ = given_ ? config_values_ : std::vector<float>(layers_ * heads_, 0.0F);
+    keys_ = config_keys_;
+    values_ = config_values_;
   }
 
-  /// The head scales an update of `layer` encodes with: those not yet set come from its largest
-  /// magnitude per head.
+  /// The head scales an update of `layer` encodes with: the config's.
   [[nodiscard]] std::pair<std::vector<float>, std::vector<float>> prepared(std::size_t layer,
-                                                                           const Chunk<In>& c) const {
+                                                                           const Chunk<In>& /*c*/) const {
     std::vector<float> k, v;
     if constexpr (kHeadScales) {
       k.assign(keys_.begin() + static_cast<std::ptrdiff_t>(layer * heads_),
                keys_.begin() + static_cast<std::ptrdiff_t>((layer + 1) * heads_));
       v.assign(values_.begin() + static_cast<std::ptrdiff_t>(layer * heads_),
                values_.begin() + static_cast<std::ptrdiff_t>((layer + 1) * heads_));
-      for (std::size_t h = 0; h < heads_; ++h) {
-        for (const bool values : {false, true}) {
-          float& scale = (values ? v : k)[h];
-          if (scale != 0.0F) continue;
-          float amax = 0.0F;
-          const TensorView<const In> x = c.kv(values);
-          for (std::size_t b = 0; b < x.batch(); ++b)
-            for (std::size_t t = 0; t < x.tokens(); ++t)
-              for (std::size_t d = 0; d < dim_; ++d)
-                amax = std::max(amax, std::fabs(static_cast<float>(detail::widen(x(b, h, t, d)))));
-          scale = Codec::scale_for(amax);
-        }
-      }
     }
     return {std::move(k), std::move(v)};
   }
@@ -356,12 +345,16 @@ class Format {
     if constexpr (kRowScales) return (values ? e.value_scales : e.key_scales)[h];
     return 0.0F;
   }
-  /// Value d of head h of row `e`, decoded.
-  [[nodiscard]] double decode(const Entry<T>& e, std::size_t layer, std::size_t h, std::size_t d, bool values) const {
+  /// Head h of row `e`, decoded (and rotated back, for a rotated format): the values attention reads.
+  [[nodiscard]] std::vector<double> decode(const Entry<T>& e, std::size_t layer, std::size_t h, bool values) const {
     const Unit* row = (values ? e.values : e.keys).data() + h * units_;
-    const auto v = static_cast<double>(Codec::value(row, d));
-    if constexpr (Codec::row_scales) return v * static_cast<double>(scale_of(e, layer, h, values));
-    return v;
+    std::vector<float> x(dim_);
+    for (std::size_t d = 0; d < dim_; ++d) {
+      x[d] = static_cast<float>(Codec::value(row, d));
+      if constexpr (Codec::row_scales) x[d] *= scale_of(e, layer, h, values);
+    }
+    if constexpr (detail::is_rotated<T>) Codec::unrotate(x.data(), dim_);
+    return {x.begin(), x.end()};
   }
 
   /// Checks batch row b of a history of `layer` against `ref`, the stream it reads: every key it
@@ -454,14 +447,16 @@ class Format {
             if (window == 0 || p < sinks || static_cast<std::size_t>(qp) - p < window) visible.push_back(p);
           }
           std::vector<double> scores(visible.size());
+          std::vector<std::vector<double>> values(visible.size());
           double top = -1e300, kmax = 0.0, vmax = 0.0;
           for (std::size_t i = 0; i < visible.size(); ++i) {
+            const std::vector<double> keys = decode(ref[visible[i]], layer, h, false);
+            values[i] = decode(ref[visible[i]], layer, h, true);
             double s = 0.0;
             for (std::size_t d = 0; d < dim_; ++d) {
-              const double k = decode(ref[visible[i]], layer, h, d, false);
-              kmax = std::max(kmax, std::fabs(k));
-              vmax = std::max(vmax, std::fabs(decode(ref[visible[i]], layer, h, d, true)));
-              s += static_cast<double>(detail::widen(q[((b * shape.heads + hq) * tokens + t) * dim_ + d])) * k;
+              kmax = std::max(kmax, std::fabs(keys[d]));
+              vmax = std::max(vmax, std::fabs(values[i][d]));
+              s += static_cast<double>(detail::widen(q[((b * shape.heads + hq) * tokens + t) * dim_ + d])) * keys[d];
             }
             scores[i] = s * scale;
             top = std::max(top, scores[i]);
@@ -471,8 +466,7 @@ class Format {
           for (double& s : scores) sum += (s = std::exp(s - top));
           for (std::size_t d = 0; d < dim_; ++d) {
             double expected = 0.0;
-            for (std::size_t i = 0; i < visible.size(); ++i)
-              expected += scores[i] / sum * decode(ref[visible[i]], layer, h, d, true);
+            for (std::size_t i = 0; i < visible.size(); ++i) expected += scores[i] / sum * values[i][d];
             const auto given =
                 static_cast<double>(detail::widen(out[((b * shape.heads + hq) * tokens + t) * dim_ + d]));
             CACHE_FUZZ_REQUIRE(std::fabs(given - expected) <= base * (1.0 + vmax),
@@ -524,8 +518,7 @@ class Format {
   [[nodiscard]] std::size_t dim() const { return dim_; }
 
  private:
-  std::size_t layers_, heads_, dim_, units_;
-  bool given_ = false;
+  std::size_t heads_, dim_, units_;
   std::vector<float> config_keys_, config_values_;
   std::vector<float> keys_, values_;  // [layer, head], formats with head scales
   std::size_t clipped_ = 0;
@@ -1775,7 +1768,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   using namespace kvcache;
   fuzz::Bytes in(data, size);
   const std::size_t variant = in.byte() % 5;
-  const std::size_t format = in.byte() % 7;
+  const std::size_t format = in.byte() % 9;
   const fuzz::Setup setup = fuzz::read_setup(in);
   switch (format) {
     case 0:
@@ -1796,8 +1789,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     case 5:
       fuzz::run_format<int8_rows>(variant, setup, in);
       break;
-    default:
+    case 6:
       fuzz::run_format<int4_groups>(variant, setup, in);
+      break;
+    case 7:
+      fuzz::run_format<fp8_e4m3_heads>(variant, setup, in);
+      break;
+    default:
+      fuzz::run_format<int4_rotated>(variant, setup, in);
   }
   return 0;
 }

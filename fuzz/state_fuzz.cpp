@@ -281,6 +281,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     if (const std::size_t f = format_index(info->format); f < kFormats) format = f;
     config = info->config;
+    config.key_scales = info->key_scales;  // as the file's rows were encoded (formats with head scales)
+    config.value_scales = info->value_scales;
   }
   with_format(format, [&](auto tag) {
     run_variant<typename decltype(tag)::type>(Variant(variant), config, flags, file, info);

@@ -41,7 +41,7 @@ inline constexpr std::size_t kLayers = 2, kBatch = 2, kSlots = 3, kHeads = 2, kD
 inline constexpr std::size_t kWindow = 4, kSinks = 1, kSlack = 1, kBlockTokens = 4, kBlocks = 8;
 
 enum class Variant { dense, concat, ring, slot, paged };
-inline constexpr std::size_t kVariants = 5, kFormats = 7;
+inline constexpr std::size_t kVariants = 5, kFormats = 9;
 inline constexpr const char* kVariantNames[kVariants] = {"KvCache", "ConcatKvCache", "RingKvCache", "SlotKvCache",
                                                          "PagedKvCache"};
 
@@ -50,7 +50,7 @@ struct Tag {
   using type = T;
 };
 
-/// Calls f(Tag<T>{}) for the storage format with this index (0..6).
+/// Calls f(Tag<T>{}) for the storage format with this index (0..8).
 template <class F>
 decltype(auto) with_format(std::size_t index, F&& f) {
   switch (index % kFormats) {
@@ -66,8 +66,12 @@ decltype(auto) with_format(std::size_t index, F&& f) {
       return f(Tag<fp8_e4m3>{});
     case 5:
       return f(Tag<int8_rows>{});
-    default:
+    case 6:
       return f(Tag<int4_groups>{});
+    case 7:
+      return f(Tag<fp8_e4m3_heads>{});
+    default:
+      return f(Tag<int4_rotated>{});
   }
 }
 
@@ -113,9 +117,21 @@ inline std::vector<std::int64_t> arange(std::size_t first, std::size_t count) {
 template <Variant V, class T>
 struct Target;
 
+/// `c` with the head scales a format that keeps them requires, where it gives none: every value
+/// of the seeds lies within them but the later, larger ones, which saturate.
+template <class T, class Config>
+Config with_scales(Config c) {
+  static const std::vector<float> scales(256, 1.0F / 448.0F);
+  const std::size_t n = c.layers * c.kv_heads;
+  if (detail::has_head_scales<T> && c.key_scales.empty() && n <= scales.size()) {
+    c.key_scales = c.value_scales = std::span<const float>(scales).first(n);
+  }
+  return c;
+}
+
 template <class Cache>
 struct Plain {
-  explicit Plain(const KvCacheConfig& config) : cache(config) {}
+  explicit Plain(const KvCacheConfig& config) : cache(with_scales<typename Cache::value_type>(config)) {}
   Cache cache;
 };
 template <class T>
@@ -137,7 +153,9 @@ struct Target<Variant::slot, T> : Plain<SlotKvCache<T>> {
 template <class T>
 struct Target<Variant::paged, T> {
   explicit Target(const BlockPoolConfig& config)
-      : pool(std::make_unique<BlockPool<T>>(config)), holder(std::make_unique<PagedKvCache<T>>(*pool)), cache(*pool) {}
+      : pool(std::make_unique<BlockPool<T>>(with_scales<T>(config))),
+        holder(std::make_unique<PagedKvCache<T>>(*pool)),
+        cache(*pool) {}
   std::unique_ptr<BlockPool<T>> pool;
   std::unique_ptr<PagedKvCache<T>> holder;
   PagedKvCache<T> cache;
@@ -161,7 +179,9 @@ inline BlockPoolConfig pool_config(const KvCacheConfig& c, std::size_t blocks = 
           .head_dim = c.head_dim,
           .block_tokens = kBlockTokens,
           .blocks = blocks,
-          .capacity = c.capacity};
+          .capacity = c.capacity,
+          .key_scales = c.key_scales,
+          .value_scales = c.value_scales};
 }
 
 /// Feeds `tokens` tokens to layers [0, until) of every row (a slot cache: of `row`), each layer
@@ -184,7 +204,8 @@ void feed(Cache& cache, std::size_t tokens, std::uint64_t seed, float gain = 1.0
 }
 
 /// The state a seed is saved from: a prompt, decoded tokens, a chunk a ring stages, a pass
-/// stopped part-way; a slot released; fp8's later, larger values clipped; a paged prompt's ids.
+/// stopped part-way; a slot released; fp8_e4m3_heads' later, larger values clipped; a paged
+/// prompt's ids.
 template <Variant V, class T>
 void fill(Target<V, T>& t) {
   auto& cache = t.cache;

@@ -20,5 +20,7 @@ extern template KVCACHE_ATTENTION_KERNEL(double);
 extern template KVCACHE_ATTENTION_KERNEL(Eigen::half);
 extern template KVCACHE_ATTENTION_KERNEL(Eigen::bfloat16);
 extern template KVCACHE_ATTENTION_KERNEL(kvcache::fp8_e4m3);
+extern template KVCACHE_ATTENTION_KERNEL(kvcache::fp8_e4m3_heads);
 extern template KVCACHE_ATTENTION_KERNEL(kvcache::int8_rows);
 extern template KVCACHE_ATTENTION_KERNEL(kvcache::int4_groups);
+extern template KVCACHE_ATTENTION_KERNEL(kvcache::int4_rotated);

@@ -64,8 +64,9 @@ std::size_t layer_length(const Cache& cache, std::size_t layer) {
 }
 
 // Under AddressSanitizer (CI's sanitized build, whose length bounds CI) the variants besides
-// KvCache skip double and half, which share float's and bfloat16's code paths; every format still
-// runs there through KvCache, and the release build runs every pair.
+// KvCache skip double and half, which share float's and bfloat16's code paths, and fp8_e4m3 and
+// int4_rotated, which share int8_rows' and int4_groups' (a scale per row, groups in the row);
+// every format still runs there through KvCache, and the release build runs every pair.
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define KVCACHE_TESTS_SANITIZED 1
@@ -74,26 +75,28 @@ std::size_t layer_length(const Cache& cache, std::size_t layer) {
 
 /// Every variant over every storage format: the protocol's typed suites run over all of them.
 #if defined(KVCACHE_TESTS_SANITIZED)
-using AllCaches =
-    ::testing::Types<KvCache<float>, KvCache<double>, KvCache<Eigen::half>, KvCache<Eigen::bfloat16>, KvCache<fp8_e4m3>,
-                     KvCache<int8_rows>, KvCache<int4_groups>, ConcatKvCache<float>, ConcatKvCache<Eigen::bfloat16>,
-                     ConcatKvCache<fp8_e4m3>, ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, RingKvCache<float>,
-                     RingKvCache<Eigen::bfloat16>, RingKvCache<fp8_e4m3>, RingKvCache<int8_rows>,
-                     RingKvCache<int4_groups>, SlotKvCache<float>, SlotKvCache<Eigen::bfloat16>, SlotKvCache<fp8_e4m3>,
-                     SlotKvCache<int8_rows>, SlotKvCache<int4_groups>, PooledSequence<float>,
-                     PooledSequence<Eigen::bfloat16>, PooledSequence<fp8_e4m3>, PooledSequence<int8_rows>,
-                     PooledSequence<int4_groups>>;
+using AllCaches = ::testing::Types<
+    KvCache<float>, KvCache<double>, KvCache<Eigen::half>, KvCache<Eigen::bfloat16>, KvCache<fp8_e4m3>,
+    KvCache<fp8_e4m3_heads>, KvCache<int8_rows>, KvCache<int4_groups>, KvCache<int4_rotated>, ConcatKvCache<float>,
+    ConcatKvCache<Eigen::bfloat16>, ConcatKvCache<fp8_e4m3_heads>, ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>,
+    RingKvCache<float>, RingKvCache<Eigen::bfloat16>, RingKvCache<fp8_e4m3_heads>, RingKvCache<int8_rows>,
+    RingKvCache<int4_groups>, SlotKvCache<float>, SlotKvCache<Eigen::bfloat16>, SlotKvCache<fp8_e4m3_heads>,
+    SlotKvCache<int8_rows>, SlotKvCache<int4_groups>, PooledSequence<float>, PooledSequence<Eigen::bfloat16>,
+    PooledSequence<fp8_e4m3_heads>, PooledSequence<int8_rows>, PooledSequence<int4_groups>>;
 #else
 using AllCaches = ::testing::Types<
     KvCache<float>, KvCache<double>, KvCache<Eigen::half>, KvCache<Eigen::bfloat16>, KvCache<fp8_e4m3>,
-    KvCache<int8_rows>, KvCache<int4_groups>, ConcatKvCache<float>, ConcatKvCache<double>, ConcatKvCache<Eigen::half>,
-    ConcatKvCache<Eigen::bfloat16>, ConcatKvCache<fp8_e4m3>, ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>,
+    KvCache<fp8_e4m3_heads>, KvCache<int8_rows>, KvCache<int4_groups>, KvCache<int4_rotated>, ConcatKvCache<float>,
+    ConcatKvCache<double>, ConcatKvCache<Eigen::half>, ConcatKvCache<Eigen::bfloat16>, ConcatKvCache<fp8_e4m3>,
+    ConcatKvCache<fp8_e4m3_heads>, ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, ConcatKvCache<int4_rotated>,
     RingKvCache<float>, RingKvCache<double>, RingKvCache<Eigen::half>, RingKvCache<Eigen::bfloat16>,
-    RingKvCache<fp8_e4m3>, RingKvCache<int8_rows>, RingKvCache<int4_groups>, SlotKvCache<float>, SlotKvCache<double>,
-    SlotKvCache<Eigen::half>, SlotKvCache<Eigen::bfloat16>, SlotKvCache<fp8_e4m3>, SlotKvCache<int8_rows>,
-    SlotKvCache<int4_groups>, PooledSequence<float>, PooledSequence<double>, PooledSequence<Eigen::half>,
-    PooledSequence<Eigen::bfloat16>, PooledSequence<fp8_e4m3>, PooledSequence<int8_rows>, PooledSequence<int4_groups>>;
-
+    RingKvCache<fp8_e4m3>, RingKvCache<fp8_e4m3_heads>, RingKvCache<int8_rows>, RingKvCache<int4_groups>,
+    RingKvCache<int4_rotated>, SlotKvCache<float>, SlotKvCache<double>, SlotKvCache<Eigen::half>,
+    SlotKvCache<Eigen::bfloat16>, SlotKvCache<fp8_e4m3>, SlotKvCache<fp8_e4m3_heads>, SlotKvCache<int8_rows>,
+    SlotKvCache<int4_groups>, SlotKvCache<int4_rotated>, PooledSequence<float>, PooledSequence<double>,
+    PooledSequence<Eigen::half>, PooledSequence<Eigen::bfloat16>, PooledSequence<fp8_e4m3>,
+    PooledSequence<fp8_e4m3_heads>, PooledSequence<int8_rows>, PooledSequence<int4_groups>,
+    PooledSequence<int4_rotated>>;
 #endif
 
 /// What the suites feed a cache storing T: T itself where it is a compute type, else float.
@@ -204,6 +207,28 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
         }
       }
       EXPECT_TRUE(rows.emplace(s.positions[j], std::move(row)).second) << "position " << s.positions[j] << " twice";
+    }
+  }
+  return rows;
+}
+
+/// What batch row b of a history holds, by position: its stored bytes and scales, keys then
+/// values (flatten's picture of one row).
+template <class T>
+std::map<std::int64_t, Row> flatten_row(const History<T>& history, std::size_t b) {
+  using Unit = typename storage_codec<T>::unit;
+  std::map<std::int64_t, Row> rows;
+  for (const Segment<T>& s : history.segments) {
+    const std::size_t stored = s.stored_row(b);
+    for (std::size_t j = 0; j < s.tokens(b); ++j) {
+      Row row;
+      for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {
+        for (std::size_t h = 0; h < view->heads(); ++h) {
+          append_bytes(row, view->row(stored, h, j), view->head_dim() * sizeof(Unit));
+          if constexpr (storage_codec<T>::row_scales) append_bytes(row, scales->at(stored, h, j), sizeof(float));
+        }
+      }
+      EXPECT_TRUE(rows.emplace(s.positions.row(stored)[j], std::move(row)).second) << "position twice";
     }
   }
   return rows;

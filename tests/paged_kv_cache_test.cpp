@@ -77,7 +77,8 @@ class Paged : public ::testing::Test {
   }
 };
 
-using Formats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
+using Formats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, fp8_e4m3_heads, int8_rows,
+                                 int4_groups, int4_rotated>;
 struct FormatName {
   template <class T>
   static std::string GetName(int) {

@@ -4,12 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "cache_test_support.hpp"
+#include "kvcache/attention.hpp"
 #include "kvcache/concepts.hpp"
 
 namespace kvcache::testing {
@@ -24,6 +26,8 @@ static_assert(kv_cache_protocol<RingKvCache<double>>);
 static_assert(row_cache_protocol<SlotKvCache<int8_rows>>);
 static_assert(!row_cache_protocol<KvCache<float>>);
 static_assert(kv_cache_protocol<PagedKvCache<int4_groups>>);
+static_assert(kv_cache_protocol<KvCache<fp8_e4m3_heads>>);
+static_assert(row_cache_protocol<SlotKvCache<int4_rotated>>);
 static_assert(std::is_trivially_copyable_v<TensorView<const float>>);
 static_assert(std::is_trivially_copyable_v<History<float>>);
 
@@ -80,6 +84,42 @@ TYPED_TEST(Protocol, UpdateReturnsEveryTokenWithItsPositionAfterPrefillChunkAndD
   EXPECT_EQ(cache.length(), 8U);
   EXPECT_EQ(cache.layers(), this->layers);
   EXPECT_EQ(cache.capacity(), this->capacity);
+}
+
+TYPED_TEST(Protocol, WhatARowStoresAndAttendsDependsOnItsOwnValuesAlone) {
+  // Nothing is shared between batch rows: row 0 stores and attends the same whatever row 1
+  // holds, however much larger (a scale per head shared by the rows would not).
+  if constexpr (TestFixture::batch < 2) {
+    GTEST_SKIP() << "a paged sequence is one row: qwen3_isolation_test serves several in one pool";
+  } else {
+    using E = typename TestFixture::In;
+    constexpr std::size_t B = TestFixture::batch, H = TestFixture::kv_heads, D = TestFixture::head_dim;
+    auto alike = this->make();
+    auto other = this->make();
+    std::uint64_t seed = 70;
+    for (const std::size_t tokens : {4U, 1U, 3U, 1U}) {
+      const Block<E> k({B, H, tokens, D}, seed++), v({B, H, tokens, D}, seed++), q({B, 2 * H, tokens, D}, seed++);
+      Block<E> k_other = k, v_other = v;
+      for (std::size_t h = 0; h < H; ++h)
+        for (std::size_t t = 0; t < tokens; ++t)
+          for (std::size_t d = 0; d < D; ++d) {
+            k_other.mutable_view()(1, h, t, d) = static_cast<E>(1000.0F * static_cast<float>(v.view()(1, h, t, d)));
+            v_other.mutable_view()(1, h, t, d) = static_cast<E>(-500.0F * static_cast<float>(k.view()(1, h, t, d)));
+          }
+      const auto positions = arange(layer_length(alike, 0), tokens);
+      for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) {
+        const auto a = alike.update(layer, k.view(), v.view(), positions);
+        const auto b = other.update(layer, k_other.view(), v_other.view(), positions);
+        EXPECT_EQ(flatten_row(a, 0), flatten_row(b, 0)) << "layer " << layer;
+        EXPECT_NE(flatten_row(a, 1), flatten_row(b, 1)) << "layer " << layer;  // the rows do differ
+        std::vector<E> out_a(q.data.size()), out_b(q.data.size());
+        causal_attention(q.view(), positions, a, TensorView<E>(out_a.data(), q.shape), {.threads = 1});
+        causal_attention(q.view(), positions, b, TensorView<E>(out_b.data(), q.shape), {.threads = 1});
+        const std::size_t row = q.data.size() / B;  // batch row 0's outputs come first
+        EXPECT_EQ(std::memcmp(out_a.data(), out_b.data(), row * sizeof(E)), 0) << "layer " << layer;
+      }
+    }
+  }
 }
 
 TYPED_TEST(Protocol, HistoryStaysValidWhileOtherLayersUpdate) {

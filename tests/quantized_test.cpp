@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The quantized formats: their conversions against plain references, their round-trip bounds,
-// the input every variant refuses for them, FP8's head scales, and attention reading them in
-// place at every head size.
+// the rotation int4_rotated applies, the input every variant refuses for them, FP8's row and head
+// scales, and attention reading them in place at every head size.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -67,6 +67,18 @@ std::vector<float> load_lanes(const typename storage_codec<T>::unit* row, std::s
   return lanes;
 }
 
+/// Calls check.template operator()<B>() for every register width B the build has.
+template <class Check>
+void for_each_register_width(const Check& check) {
+  check.template operator()<16>();
+#if defined(__AVX__)
+  check.template operator()<32>();
+#endif
+#if defined(__AVX512F__)
+  check.template operator()<64>();
+#endif
+}
+
 TEST(Fp8E4M3, EveryCodeDecodesToItsOcpValueScalarAndInRegisters) {
   std::vector<std::uint8_t> codes(256);
   for (std::size_t c = 0; c < 256; ++c) codes[c] = static_cast<std::uint8_t>(c);
@@ -83,7 +95,7 @@ TEST(Fp8E4M3, EveryCodeDecodesToItsOcpValueScalarAndInRegisters) {
     EXPECT_EQ(std::signbit(got), (c & 0x80) != 0) << "code " << c;
   }
   // The register forms, at every width, for every code but the two NaNs (never stored).
-  const auto check_width = [&]<std::size_t B>() {
+  for_each_register_width([&]<std::size_t B>() {
     for (std::size_t d = 0; d + B / 4 <= 256; d += B / 4) {
       const std::vector<float> lanes = load_lanes<fp8_e4m3, B>(codes.data(), d);
       for (std::size_t i = 0; i < lanes.size(); ++i) {
@@ -91,14 +103,7 @@ TEST(Fp8E4M3, EveryCodeDecodesToItsOcpValueScalarAndInRegisters) {
         EXPECT_EQ(static_cast<double>(lanes[i]), ocp_e4m3(codes[d + i])) << B << "-byte register, code " << d + i;
       }
     }
-  };
-  check_width.template operator()<16>();
-#if defined(__AVX__)
-  check_width.template operator()<32>();
-#endif
-#if defined(__AVX512F__)
-  check_width.template operator()<64>();
-#endif
+  });
 }
 
 TEST(Fp8E4M3, EncodingRoundsToNearestEvenAndSaturatesOnEveryHalfValue) {
@@ -169,6 +174,27 @@ std::vector<std::vector<float>> sample_rows(std::size_t dim) {
   return rows;
 }
 
+TEST(Fp8Rows, EachRowIsScaledByItsOwnLargestMagnitudeAndKeepsE4M3sRelativeStep) {
+  using Codec = storage_codec<fp8_e4m3>;
+  for (const std::size_t dim : {8U, 64U, 72U, 128U}) {
+    for (const std::vector<float>& row : sample_rows(dim)) {
+      std::vector<std::uint8_t> stored(Codec::units(dim));
+      const float scale = Codec::encode(row.data(), stored.data(), dim);
+      float amax = 0.0F;
+      for (const float x : row) amax = std::max(amax, std::fabs(x));
+      EXPECT_FLOAT_EQ(scale, amax / 448.0F > 0 ? amax / 448.0F : 1.0F);
+      for (std::size_t d = 0; d < dim; ++d) {
+        EXPECT_EQ(stored[d], detail::e4m3_of(row[d] / scale)) << "dim " << dim << ", index " << d;
+        EXPECT_NE(stored[d] & 0x7F, 0x7F) << "no NaN";
+        const float back = Codec::value(stored.data(), d) * scale;
+        // Half of E4M3's step: 2^-4 of the value, or of 2^-6 (its subnormals' step is 2^-9).
+        const float bound = std::max(std::fabs(row[d]), 0x1p-6F * scale) * 0x1p-4F * (1 + 1e-5F);
+        EXPECT_LE(std::fabs(back - row[d]), bound) << "dim " << dim << ", value " << row[d];
+      }
+    }
+  }
+}
+
 TEST(Int8Rows, EveryValueIsWithinHalfAStepOfItsRow) {
   using Codec = storage_codec<int8_rows>;
   for (const std::size_t dim : {8U, 64U, 72U, 128U}) {
@@ -187,17 +213,25 @@ TEST(Int8Rows, EveryValueIsWithinHalfAStepOfItsRow) {
   }
 }
 
-TEST(Int4Groups, EveryValueIsWithinHalfAStepOfItsGroupAndTheStepIsTight) {
-  using Codec = storage_codec<int4_groups>;
-  for (const std::size_t dim : {8U, 32U, 40U, 128U, 200U}) {
-    EXPECT_EQ(Codec::units(dim), (dim + 31) / 32 * 20);
-    for (const std::vector<float>& row : sample_rows(dim)) {
+/// Every value of an int4 row of format T, in groups of G, is within half a step of the value
+/// encoded (the row rotated, for int4_rotated), and the step is tight around its group's range.
+template <class T, std::size_t G>
+void expect_int4_groups_within_half_a_step() {
+  using Codec = storage_codec<T>;
+  constexpr std::size_t kGroupBytes = 4 + G / 2;
+  for (const std::size_t dim : {8U, 16U, 32U, 40U, 48U, 128U, 200U}) {
+    EXPECT_EQ(Codec::units(dim), (dim + G - 1) / G * kGroupBytes);
+    for (std::vector<float> row : sample_rows(dim)) {
+      if constexpr (detail::is_rotated<T>) {
+        for (float& x : row) x = std::clamp(x, -Codec::max_magnitude, Codec::max_magnitude);
+      }
       std::vector<std::uint8_t> stored(Codec::units(dim));
       Codec::encode(row.data(), stored.data(), dim);
-      for (std::size_t g0 = 0; g0 < dim; g0 += 32) {
-        const std::size_t n = std::min<std::size_t>(32, dim - g0);
+      if constexpr (detail::is_rotated<T>) Codec::rotate(row.data(), dim);  // what the groups hold
+      for (std::size_t g0 = 0; g0 < dim; g0 += G) {
+        const std::size_t n = std::min<std::size_t>(G, dim - g0);
         std::uint16_t bits[2];
-        std::memcpy(bits, stored.data() + g0 / 32 * 20, 4);
+        std::memcpy(bits, stored.data() + g0 / G * kGroupBytes, 4);
         const float step = detail::float_of_half_bits(bits[0]);
         const float min = detail::float_of_half_bits(bits[1]);
         float lo = row[g0], hi = row[g0];
@@ -214,11 +248,113 @@ TEST(Int4Groups, EveryValueIsWithinHalfAStepOfItsGroupAndTheStepIsTight) {
         for (std::size_t i = 0; i < n; ++i) {
           const float back = Codec::value(stored.data(), g0 + i);
           EXPECT_LE(std::fabs(back - row[g0 + i]), 0.5F * step + 1e-6F * std::fabs(row[g0 + i]) + 1e-37F)
-              << "dim " << dim << ", index " << g0 + i;
+              << Codec::name << ", dim " << dim << ", index " << g0 + i;
         }
       }
     }
   }
+}
+
+TEST(Int4Groups, EveryValueIsWithinHalfAStepOfItsGroupAndTheStepIsTight) {
+  expect_int4_groups_within_half_a_step<int4_groups, 32>();
+}
+
+TEST(Int4Rotated, EveryRotatedValueIsWithinHalfAStepOfItsGroupAndTheStepIsTight) {
+  expect_int4_groups_within_half_a_step<int4_rotated, 16>();
+}
+
+/// The register forms of an int4 format's load against its scalar value(), at every width.
+template <class T>
+void expect_loads_match_values(std::size_t dim) {
+  using Codec = storage_codec<T>;
+  std::vector<float> row(dim);
+  std::mt19937_64 rng(dim);
+  std::normal_distribution<float> normal(0.0F, 3.0F);
+  for (float& x : row) x = normal(rng);
+  std::vector<std::uint8_t> stored(Codec::units(dim));
+  Codec::encode(row.data(), stored.data(), dim);
+  for_each_register_width([&]<std::size_t B>() {
+    for (std::size_t d = 0; d + B / 4 <= dim; d += B / 4) {
+      const std::vector<float> lanes = load_lanes<T, B>(stored.data(), d);
+      for (std::size_t i = 0; i < lanes.size(); ++i) {
+        EXPECT_EQ(lanes[i], Codec::value(stored.data(), d + i))
+            << Codec::name << ", " << B << " bytes, index " << d + i;
+      }
+    }
+  });
+}
+
+TEST(Int4Rotated, RegistersReadTheValuesScalarCodeReads) {
+  for (const std::size_t dim : {16U, 48U, 64U, 128U}) {
+    expect_loads_match_values<int4_groups>(dim);
+    expect_loads_match_values<int4_rotated>(dim);
+  }
+}
+
+TEST(Int4Rotated, TheRotationIsOrthogonalAndMixesTheLargestPowerOfTwoBlock) {
+  EXPECT_EQ(detail::rotation_block(16), 16U);
+  EXPECT_EQ(detail::rotation_block(48), 16U);
+  EXPECT_EQ(detail::rotation_block(40), 8U);
+  EXPECT_EQ(detail::rotation_block(128), 128U);
+  EXPECT_EQ(detail::rotation_block(512), 256U);
+  EXPECT_EQ(detail::rotation_block(7), 1U);
+  using Codec = storage_codec<int4_rotated>;
+  for (const std::size_t dim : {7U, 16U, 40U, 48U, 128U, 512U}) {
+    std::mt19937_64 rng(dim);
+    std::normal_distribution<float> normal;
+    std::vector<float> x(dim), y(dim);
+    for (std::size_t i = 0; i < dim; ++i) {
+      x[i] = normal(rng);
+      y[i] = normal(rng);
+    }
+    std::vector<float> rx = x, ry = y;
+    Codec::rotate(rx.data(), dim);
+    Codec::rotate(ry.data(), dim);
+    double dot = 0, rotated_dot = 0, scale = 0;
+    for (std::size_t i = 0; i < dim; ++i) {
+      dot += double{x[i]} * y[i];
+      rotated_dot += double{rx[i]} * ry[i];
+      scale += std::fabs(double{x[i]} * y[i]);
+    }
+    EXPECT_NEAR(rotated_dot, dot, 1e-6 * scale) << "dim " << dim;  // q . k is unchanged
+    std::vector<float> back = rx;
+    Codec::unrotate(back.data(), dim);
+    for (std::size_t i = 0; i < dim; ++i) EXPECT_NEAR(back[i], x[i], 1e-6F * (1 + std::fabs(x[i]))) << i;
+    // One channel spreads over its block alone: a unit vector's image has block values of
+    // magnitude 1 / sqrt(block), and zeros elsewhere.
+    const std::size_t block = detail::rotation_block(dim);
+    std::vector<float> unit(dim, 0.0F);
+    unit[dim - 1] = 1.0F;
+    Codec::rotate(unit.data(), dim);
+    for (std::size_t i = 0; i < dim; ++i) {
+      const float expected = i >= dim - block ? 1.0F / std::sqrt(static_cast<float>(block)) : 0.0F;
+      EXPECT_NEAR(std::fabs(unit[i]), expected, 1e-6F) << "dim " << dim << ", index " << i;
+    }
+  }
+}
+
+TEST(Int4Rotated, AnOutsizedChannelCostsItsNeighboursLessThanInGroupsOfTheirOwn) {
+  // A row with one channel 40x the others' spread: int4_groups' group that holds it spends its
+  // 16 levels on that channel; rotated, it is spread over every channel of the block.
+  constexpr std::size_t dim = 128;
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> row(dim);
+  for (float& x : row) x = normal(rng);
+  row[5] = 40.0F;
+  const auto error_besides_the_outlier = [&]<class T>() {
+    std::vector<std::uint8_t> stored(storage_codec<T>::units(dim));
+    storage_codec<T>::encode(row.data(), stored.data(), dim);
+    std::vector<float> back(dim);
+    for (std::size_t d = 0; d < dim; ++d) back[d] = storage_codec<T>::value(stored.data(), d);
+    if constexpr (detail::is_rotated<T>) storage_codec<T>::unrotate(back.data(), dim);
+    double squared = 0;
+    for (std::size_t d = 0; d < dim; ++d) squared += d == 5 ? 0.0 : (back[d] - row[d]) * (back[d] - row[d]);
+    return squared;
+  };
+  const double groups = error_besides_the_outlier.template operator()<int4_groups>();
+  const double rotated = error_besides_the_outlier.template operator()<int4_rotated>();
+  EXPECT_LT(rotated, 0.5 * groups) << "int4_groups " << groups << ", int4_rotated " << rotated;
 }
 
 // ---- what every variant refuses for the quantized formats ----------------------------------
@@ -226,10 +362,14 @@ TEST(Int4Groups, EveryValueIsWithinHalfAStepOfItsGroupAndTheStepIsTight) {
 template <class Cache>
 class QuantizedCaches : public ::testing::Test {};
 using QuantizedCacheTypes =
-    ::testing::Types<KvCache<fp8_e4m3>, KvCache<int8_rows>, KvCache<int4_groups>, ConcatKvCache<fp8_e4m3>,
-                     ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, RingKvCache<fp8_e4m3>,
-                     RingKvCache<int8_rows>, RingKvCache<int4_groups>, SlotKvCache<fp8_e4m3>, SlotKvCache<int8_rows>,
-                     SlotKvCache<int4_groups>>;
+    ::testing::Types<KvCache<fp8_e4m3>, KvCache<fp8_e4m3_heads>, KvCache<int8_rows>, KvCache<int4_groups>,
+                     KvCache<int4_rotated>, ConcatKvCache<fp8_e4m3>, ConcatKvCache<fp8_e4m3_heads>,
+                     ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, ConcatKvCache<int4_rotated>,
+                     RingKvCache<fp8_e4m3>, RingKvCache<fp8_e4m3_heads>, RingKvCache<int8_rows>,
+                     RingKvCache<int4_groups>, RingKvCache<int4_rotated>, SlotKvCache<fp8_e4m3>,
+                     SlotKvCache<fp8_e4m3_heads>, SlotKvCache<int8_rows>, SlotKvCache<int4_groups>,
+                     SlotKvCache<int4_rotated>, PooledSequence<fp8_e4m3>, PooledSequence<fp8_e4m3_heads>,
+                     PooledSequence<int8_rows>, PooledSequence<int4_groups>, PooledSequence<int4_rotated>>;
 TYPED_TEST_SUITE(QuantizedCaches, QuantizedCacheTypes, CacheName);
 
 TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTheCacheUnchanged) {
@@ -238,8 +378,7 @@ TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTh
   constexpr std::size_t B = batch_of<Cache>, H = 2, D = 40;
   KvCacheConfig config{.layers = 2, .batch = B, .kv_heads = H, .head_dim = D, .capacity = 32};
   if constexpr (is_ring<Cache>) config.window = 8;
-  // Scales from the first update: a refused first update must not set them either.
-  Cache cache(config);
+  Cache cache(test_config<T>(config));
   const Block<float> first({B, H, 3, D}, 5);
   Block<float> bad({B, H, 4, D}, 6);
   const auto refused = [&](std::size_t layer, float value, const std::vector<std::string>& words) {
@@ -247,14 +386,14 @@ TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTh
                                                      arange(layer_length(cache, layer), 0)));
     const std::size_t length = layer_length(cache, layer), bytes = cache.bytes(), clipped = cache.clipped();
     const std::vector<float> key_scales = cache.head_scales(false), value_scales = cache.head_scales(true);
-    bad.mutable_view()(1, 1, 2, 3) = value;
+    bad.mutable_view()(B - 1, 1, 2, 3) = value;
     try {
       cache.update(layer, bad.view(), bad.view(), arange(length, 4));
       ADD_FAILURE() << "no exception for " << value;
     } catch (const std::invalid_argument& e) {
       for (const std::string& w : words) EXPECT_THAT(e.what(), HasSubstr(w));
     }
-    bad.mutable_view()(1, 1, 2, 3) = 0.25F;
+    bad.mutable_view()(B - 1, 1, 2, 3) = 0.25F;
     EXPECT_EQ(layer_length(cache, layer), length);
     EXPECT_EQ(cache.bytes(), bytes);
     EXPECT_EQ(cache.clipped(), clipped);
@@ -269,74 +408,90 @@ TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTh
   refused(1, std::numeric_limits<float>::infinity(), {"layer 1", "k[", "kv head 1", "token 2", "inf"});
   refused(1, -std::numeric_limits<float>::infinity(), {"layer 1", "-inf"});
   if constexpr (std::is_same_v<T, int4_groups>) refused(1, 70000.0F, {"65504", "70000"});
+  if constexpr (std::is_same_v<T, int4_rotated>) refused(1, 4500.0F, {"4000", "4500"});
   // And a good update still goes in after all of them.
   cache.update(1, bad.view(), bad.view(), arange(3, 4));
   EXPECT_EQ(layer_length(cache, 1), 7U);
 }
 
-// ---- FP8's head scales -----------------------------------------------------------------------
+// ---- FP8's scales ------------------------------------------------------------------------------
 
-TEST(Fp8Scales, TheFirstUpdateSetsEachHeadsScaleAndLaterValuesBeyondItSaturateAndAreCounted) {
-  KvCache<fp8_e4m3> cache({.layers = 2, .kv_heads = 2, .head_dim = 8, .capacity = 8});
-  Block<float> k({1, 2, 2, 8}, 1), v({1, 2, 2, 8}, 2);
-  k.mutable_view()(0, 0, 1, 4) = -2.0F;  // head 0's largest magnitude
-  k.mutable_view()(0, 1, 0, 0) = 0.5F;   // inputs are in [-1, 1]: head 1's is 1 at most
-  cache.update(0, k.view(), v.view(), arange(0, 2));
-  float head1 = 0.0F;
-  for (std::size_t t = 0; t < 2; ++t)
-    for (std::size_t d = 0; d < 8; ++d) head1 = std::max(head1, std::fabs(k.view()(0, 1, t, d)));
-  const std::vector<float> keys = cache.head_scales(false);
-  ASSERT_EQ(keys.size(), 4U);
-  EXPECT_FLOAT_EQ(keys[0], 2.0F / 448);
-  EXPECT_FLOAT_EQ(keys[1], head1 / 448);
-  EXPECT_EQ(keys[2], 0.0F);  // layer 1 has had no update
+TEST(Fp8Rows, NeedNoCalibrationAndNothingSaturatesWhateverTheFirstUpdateHeld) {
+  // A first token of small values, then tokens 1000x larger and 1000x smaller: each row keeps
+  // its own scale, so nothing saturates and the small ones keep E4M3's relative step.
+  KvCache<fp8_e4m3> cache({.layers = 1, .kv_heads = 2, .head_dim = 8, .capacity = 8});
+  Block<float> k({1, 2, 3, 8}, 1), v({1, 2, 3, 8}, 2);
+  for (std::size_t d = 0; d < 8; ++d) {
+    for (std::size_t h = 0; h < 2; ++h) {
+      k.mutable_view()(0, h, 1, d) *= 1000.0F;
+      k.mutable_view()(0, h, 2, d) *= 1e-3F;
+    }
+  }
+  cache.update(0, k.view().tokens(0, 1), v.view().tokens(0, 1), arange(0, 1));
+  const auto history = cache.update(0, k.view().tokens(1, 2), v.view().tokens(1, 2), arange(1, 2));
   EXPECT_EQ(cache.clipped(), 0U);
+  EXPECT_TRUE(cache.head_scales(false).empty());
+  const Segment<fp8_e4m3>& s = history.segments[0];
+  for (std::size_t h = 0; h < 2; ++h) {
+    for (std::size_t t = 0; t < 3; ++t) {
+      float amax = 0.0F;
+      for (std::size_t d = 0; d < 8; ++d) amax = std::max(amax, std::fabs(k.view()(0, h, t, d)));
+      EXPECT_FLOAT_EQ(*s.key_scales.at(0, h, t), amax / 448.0F) << "head " << h << ", token " << t;
+      for (std::size_t d = 0; d < 8; ++d) {
+        const float x = k.view()(0, h, t, d);
+        const float back = storage_codec<fp8_e4m3>::value(s.keys.row(0, h, t), d) * *s.key_scales.at(0, h, t);
+        EXPECT_LE(std::fabs(back - x), std::max(std::fabs(x), amax * 0x1p-6F / 448.0F) * 0x1p-4F * 1.0001F);
+      }
+    }
+  }
+  // 4 bytes of scale a row beside its codes.
+  EXPECT_EQ(cache.bytes(), 2U * 2 * 8 * (8 + 4));
+}
 
-  // 2.0 x 1.04 rounds to 448 x scale, within the format's rounding; 3.0 is beyond it.
+TEST(Fp8HeadScales, AreRequiredInTheConfigNamingWhereToFindThem) {
+  const KvCacheConfig config{.layers = 2, .kv_heads = 3, .head_dim = 8, .capacity = 8};
+  expect_throw_naming([&] { KvCache<fp8_e4m3_heads> cache(config); }, Throws::invalid_argument,
+                      {"key_scales", "6 scales", "calibrate_head_scales", "fp8_e4m3", "none"});
+  expect_throw_naming([&] { SlotKvCache<fp8_e4m3_heads> cache(config); }, Throws::invalid_argument,
+                      {"SlotKvCache", "key_scales"});
+  expect_throw_naming([&] { BlockPool<fp8_e4m3_heads> pool({.layers = 2, .kv_heads = 3, .head_dim = 8, .blocks = 4}); },
+                      Throws::invalid_argument, {"BlockPool", "key_scales"});
+}
+
+TEST(Fp8HeadScales, TheGivenScalesEncodeEveryUpdateAndValuesBeyondThemSaturateAndAreCounted) {
+  const std::vector<float> key_scales{2.0F / 448, 1.0F / 448, 1.0F / 448, 1.0F / 448};
+  const std::vector<float> value_scales(4, 1.0F / 448);
+  KvCache<fp8_e4m3_heads> cache({.layers = 2,
+                                 .kv_heads = 2,
+                                 .head_dim = 8,
+                                 .capacity = 8,
+                                 .key_scales = key_scales,
+                                 .value_scales = value_scales});
+  const Block<float> k({1, 2, 2, 8}, 1), v({1, 2, 2, 8}, 2);  // in [-1, 1]: within every scale
+  cache.update(0, k.view(), v.view(), arange(0, 2));
+  EXPECT_EQ(cache.clipped(), 0U);
+  // 2.0 x 1.03 rounds to 448 x scale, within the format's rounding; 3.0 is beyond it.
   Block<float> later({1, 2, 1, 8}, 3);
-  for (float& x : later.data) x *= 0.5F;  // within every head's range
   later.mutable_view()(0, 0, 0, 0) = 2.0F * 1.03F;
   later.mutable_view()(0, 0, 0, 1) = -3.0F;
-  Block<float> quiet({1, 2, 1, 8}, 4);
-  for (float& x : quiet.data) x *= 0.5F;
-  const auto history = cache.update(0, later.view(), quiet.view(), arange(2, 1));
+  const auto history = cache.update(0, later.view(), v.view().tokens(0, 1), arange(2, 1));
   EXPECT_EQ(cache.clipped(), 1U);
-  const Segment<fp8_e4m3>& s = history.segments[0];
+  const Segment<fp8_e4m3_heads>& s = history.segments[0];
   EXPECT_EQ(s.keys.row(0, 0, 2)[0], 0x7E);
   EXPECT_EQ(s.keys.row(0, 0, 2)[1], 0xFE);
-  EXPECT_FLOAT_EQ(*s.key_scales.at(0, 0, 2), 2.0F / 448);
-  EXPECT_EQ(cache.head_scales(false)[0], keys[0]);  // a later update never changes a scale
-
+  for (std::size_t t = 0; t < 3; ++t) EXPECT_EQ(*s.key_scales.at(0, 0, t), key_scales[0]);
+  for (std::size_t d = 2; d < 8; ++d)
+    EXPECT_EQ(s.keys.row(0, 0, 2)[d], detail::e4m3_of(later.view()(0, 0, 0, d) * 224));
+  EXPECT_EQ(cache.head_scales(false), key_scales);  // an update never changes a scale
   cache.reset();
-  EXPECT_EQ(cache.head_scales(false), std::vector<float>(4, 0.0F));
+  EXPECT_EQ(cache.head_scales(false), key_scales);
+  EXPECT_EQ(cache.head_scales(true), value_scales);
   EXPECT_EQ(cache.clipped(), 1U);  // counted since construction
 }
 
-TEST(Fp8Scales, CalibratedScalesAreUsedAndKeptThroughReset) {
-  const std::vector<float> key_scales{0.01F, 0.02F}, value_scales{0.03F, 0.04F};
-  KvCache<fp8_e4m3> cache({.layers = 2,
-                           .kv_heads = 1,
-                           .head_dim = 8,
-                           .capacity = 8,
-                           .key_scales = key_scales,
-                           .value_scales = value_scales});
-  const Block<float> k({1, 1, 1, 8}, 1), v({1, 1, 1, 8}, 2);
-  for (int round = 0; round < 2; ++round) {
-    const auto history = cache.update(1, k.view(), v.view(), arange(0, 1));
-    for (std::size_t d = 0; d < 8; ++d) {
-      EXPECT_EQ(history.segments[0].keys.row(0, 0, 0)[d], detail::e4m3_of(k.view()(0, 0, 0, d) / 0.02F));
-      EXPECT_EQ(history.segments[0].values.row(0, 0, 0)[d], detail::e4m3_of(v.view()(0, 0, 0, d) / 0.04F));
-    }
-    EXPECT_EQ(cache.clipped(), 0U);
-    cache.reset();
-  }
-  EXPECT_EQ(cache.head_scales(false), key_scales);
-  EXPECT_EQ(cache.head_scales(true), value_scales);
-}
-
-TEST(Fp8Scales, TheSmallestScalesStoreNoNaN) {
+TEST(Fp8HeadScales, TheSmallestScalesStoreNoNaN) {
   const std::vector<float> tiny{1e-44F};
-  KvCache<fp8_e4m3> cache(
+  KvCache<fp8_e4m3_heads> cache(
       {.layers = 1, .kv_heads = 1, .head_dim = 8, .capacity = 8, .key_scales = tiny, .value_scales = tiny});
   Block<float> k({1, 1, 1, 8}, 1);
   k.data[0] = 0.0F;
@@ -344,22 +499,20 @@ TEST(Fp8Scales, TheSmallestScalesStoreNoNaN) {
   EXPECT_EQ(history.segments[0].keys.row(0, 0, 0)[0], 0x00);
   for (std::size_t d = 1; d < 8; ++d) EXPECT_EQ(history.segments[0].keys.row(0, 0, 0)[d] & 0x7F, 0x7E) << d;
   EXPECT_EQ(cache.clipped(), 14U);
-  // int8 rows of values whose amax / 127 is 0 in float store as zeros with a scale of 1.
+  // Rows of values whose amax / 127 (or / 448) is 0 in float store as zeros with a scale of 1.
   const std::vector<float> row(8, 1e-44F);
   std::vector<std::int8_t> stored(8, 1);
   EXPECT_EQ(storage_codec<int8_rows>::encode(row.data(), stored.data(), 8), 1.0F);
   EXPECT_EQ(stored, std::vector<std::int8_t>(8, 0));
+  std::vector<std::uint8_t> codes(8, 1);
+  EXPECT_EQ(storage_codec<fp8_e4m3>::encode(row.data(), codes.data(), 8), 1.0F);
+  EXPECT_EQ(codes, std::vector<std::uint8_t>(8, 0));
 }
 
-TEST(Fp8Scales, BadScalesInTheConfigAreRefusedNamingTheField) {
+TEST(Fp8HeadScales, BadScalesInTheConfigAreRefusedNamingTheField) {
   const std::vector<float> two{0.1F, 0.1F}, three{0.1F, 0.1F, 0.1F}, zero{0.1F, 0.0F}, nan{0.1F, std::nanf("")};
   const auto refused = [](const KvCacheConfig& c, const std::vector<std::string>& words) {
-    try {
-      KvCache<fp8_e4m3> cache(c);
-      ADD_FAILURE() << "no exception";
-    } catch (const std::invalid_argument& e) {
-      for (const std::string& w : words) EXPECT_THAT(e.what(), HasSubstr(w));
-    }
+    expect_throw_naming([&] { KvCache<fp8_e4m3_heads> cache(c); }, Throws::invalid_argument, words);
   };
   const KvCacheConfig base{.layers = 2, .kv_heads = 1, .head_dim = 8, .capacity = 8};
   KvCacheConfig c = base;
@@ -372,15 +525,19 @@ TEST(Fp8Scales, BadScalesInTheConfigAreRefusedNamingTheField) {
   c.value_scales = nan;
   refused(c, {"value_scales[1]", "nan"});
   c.value_scales = {};
-  refused(c, {"both"});
+  refused(c, {"value_scales", "none"});
   c.value_scales = two;
-  EXPECT_THROW(KvCache<int8_rows>{c}, std::invalid_argument);  // int8 keeps a scale a row, not a head
-  EXPECT_NO_THROW(KvCache<fp8_e4m3>{c});
+  // The formats that scale each row keep no scale per head.
+  expect_throw_naming([&] { KvCache<int8_rows> cache(c); }, Throws::invalid_argument, {"key_scales", "empty"});
+  expect_throw_naming([&] { KvCache<fp8_e4m3> cache(c); }, Throws::invalid_argument,
+                      {"key_scales", "fp8_e4m3_heads does"});
+  EXPECT_NO_THROW(KvCache<fp8_e4m3_heads>{c});
 }
 
 // ---- attention reads the formats in place ------------------------------------------------------
 
-/// A history of format T decoded to float: what attention must read.
+/// A history of format T decoded to float (rotated back, for a rotated format): what attention
+/// must read.
 template <class T>
 std::vector<float> decoded(const TensorView<const typename storage_codec<T>::unit>& rows, const RowScales& scales,
                            std::size_t dim) {
@@ -389,6 +546,7 @@ std::vector<float> decoded(const TensorView<const typename storage_codec<T>::uni
     for (std::size_t t = 0; t < rows.tokens(); ++t) {
       const float scale = storage_codec<T>::row_scales ? *scales.at(0, h, t) : 1.0F;
       for (std::size_t d = 0; d < dim; ++d) out.push_back(storage_codec<T>::value(rows.row(0, h, t), d) * scale);
+      if constexpr (detail::is_rotated<T>) storage_codec<T>::unrotate(out.data() + out.size() - dim, dim);
     }
   }
   return out;
@@ -398,7 +556,7 @@ std::vector<float> decoded(const TensorView<const typename storage_codec<T>::uni
 template <class T>
 void expect_in_place_read_equals_decoded_rows(std::size_t dim, float kv = 1, float query = 1) {
   constexpr std::size_t H = 2, G = 2, S = 37, chunk = 3;
-  KvCache<T> cache({.layers = 1, .kv_heads = H, .head_dim = dim, .capacity = S});
+  KvCache<T> cache(test_config<T>({.layers = 1, .kv_heads = H, .head_dim = dim, .capacity = S}));
   Block<float> k({1, H, S, dim}, dim), v({1, H, S, dim}, dim + 1), q({1, H * G, chunk, dim}, dim + 2);
   for (float& x : k.data) x *= kv;
   for (float& x : v.data) x *= kv;
@@ -423,8 +581,10 @@ void expect_in_place_read_equals_decoded_rows(std::size_t dim, float kv = 1, flo
 TEST(QuantizedAttention, ReadsRowsInPlaceAsTheirDecodedValuesAtEveryHeadSize) {
   for (std::size_t dim = 8; dim <= 256; dim += 8) {
     expect_in_place_read_equals_decoded_rows<fp8_e4m3>(dim);
+    expect_in_place_read_equals_decoded_rows<fp8_e4m3_heads>(dim);
     expect_in_place_read_equals_decoded_rows<int8_rows>(dim);
     expect_in_place_read_equals_decoded_rows<int4_groups>(dim);
+    expect_in_place_read_equals_decoded_rows<int4_rotated>(dim);
   }
 }
 
@@ -455,13 +615,21 @@ TEST(QuantizedAttention, SmallQueriesAgainstLargeKeysSurviveFlushToZero) {
 TEST(QuantizedSizes, BytesPerTokenForQwen3At32kAndWhatACacheAllocates) {
   constexpr std::size_t GiB = std::size_t{1} << 30, tokens = 32 * 1024;
   EXPECT_EQ(kv_bytes_per_token<Eigen::bfloat16>(28, 8, 128) * tokens, 3 * GiB + GiB / 2);
-  EXPECT_EQ(kv_bytes_per_token<fp8_e4m3>(28, 8, 128) * tokens, GiB + 3 * GiB / 4);
+  EXPECT_EQ(kv_bytes_per_token<fp8_e4m3_heads>(28, 8, 128) * tokens, GiB + 3 * GiB / 4);
+  EXPECT_EQ(kv_bytes_per_token<fp8_e4m3>(28, 8, 128), 2U * 28 * 8 * (128 + 4));
   EXPECT_EQ(kv_bytes_per_token<int8_rows>(28, 8, 128), 2U * 28 * 8 * (128 + 4));
   EXPECT_EQ(kv_bytes_per_token<int4_groups>(28, 8, 128), 2U * 28 * 8 * 80);
+  EXPECT_EQ(kv_bytes_per_token<int4_rotated>(28, 8, 128), 2U * 28 * 8 * 96);
+  // A head of 16: one short group of 32 for int4_groups, one group of 16 for int4_rotated.
+  EXPECT_EQ(kv_bytes_per_token<int4_groups>(1, 1, 16), 2U * 20);
+  EXPECT_EQ(kv_bytes_per_token<int4_rotated>(1, 1, 16), 2U * 12);
   const KvCacheConfig config{.layers = 3, .batch = 2, .kv_heads = 2, .head_dim = 40, .capacity = 16};
-  EXPECT_EQ(KvCache<fp8_e4m3>(config).bytes(), 2 * 16 * kv_bytes_per_token<fp8_e4m3>(3, 2, 40) + 2 * 3 * 2 * 4);
+  EXPECT_EQ(KvCache<fp8_e4m3_heads>(test_config<fp8_e4m3_heads>(config)).bytes(),
+            2 * 16 * kv_bytes_per_token<fp8_e4m3_heads>(3, 2, 40) + 2 * 3 * 2 * 4);
+  EXPECT_EQ(KvCache<fp8_e4m3>(config).bytes(), 2 * 16 * kv_bytes_per_token<fp8_e4m3>(3, 2, 40));
   EXPECT_EQ(KvCache<int8_rows>(config).bytes(), 2 * 16 * kv_bytes_per_token<int8_rows>(3, 2, 40));
   EXPECT_EQ(KvCache<int4_groups>(config).bytes(), 2 * 16 * kv_bytes_per_token<int4_groups>(3, 2, 40));
+  EXPECT_EQ(KvCache<int4_rotated>(config).bytes(), 2 * 16 * kv_bytes_per_token<int4_rotated>(3, 2, 40));
 }
 
 }  // namespace

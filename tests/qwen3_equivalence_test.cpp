@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kvcache/calibration.hpp"
 #include "kvcache/concat_kv_cache.hpp"
 #include "kvcache/kv_cache.hpp"
 #include "kvcache/quantized.hpp"
@@ -71,8 +72,10 @@ constexpr double tolerance() {
   if constexpr (std::is_same_v<T, Eigen::half>) return 1e-2;
   if constexpr (std::is_same_v<T, Eigen::bfloat16>) return 6e-2;
   if constexpr (std::is_same_v<T, kvcache::fp8_e4m3>) return 1.0;
+  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3_heads>) return 1.0;
   if constexpr (std::is_same_v<T, kvcache::int8_rows>) return 0.25;
   if constexpr (std::is_same_v<T, kvcache::int4_groups>) return 3.5;
+  if constexpr (std::is_same_v<T, kvcache::int4_rotated>) return 3.5;
   return 1e-5;
 }
 
@@ -87,8 +90,10 @@ constexpr double rounded_tolerance() {
   if constexpr (std::is_same_v<T, Eigen::half>) return 1.5e-3;
   if constexpr (std::is_same_v<T, Eigen::bfloat16>) return 5e-3;
   if constexpr (std::is_same_v<T, kvcache::fp8_e4m3>) return 3e-2;
+  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3_heads>) return 3e-2;
   if constexpr (std::is_same_v<T, kvcache::int8_rows>) return 6e-3;
   if constexpr (std::is_same_v<T, kvcache::int4_groups>) return 0.12;
+  if constexpr (std::is_same_v<T, kvcache::int4_rotated>) return 0.12;
   return 1e-5;
 }
 
@@ -98,9 +103,10 @@ const char* type_name() {
   if constexpr (std::is_same_v<T, double>) return "double";
   if constexpr (std::is_same_v<T, Eigen::half>) return "half";
   if constexpr (std::is_same_v<T, Eigen::bfloat16>) return "bfloat16";
-  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3>) return "fp8_e4m3";
-  if constexpr (std::is_same_v<T, kvcache::int8_rows>) return "int8_rows";
-  if constexpr (std::is_same_v<T, kvcache::int4_groups>) return "int4_groups";
+  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, Eigen::half> &&
+                !std::is_same_v<T, Eigen::bfloat16>) {
+    return kvcache::storage_codec<T>::name;
+  }
 }
 
 template <template <class> class CacheT, class T>
@@ -176,13 +182,17 @@ using Cases =
                      Ring<float, 64, 0, 0>, KvCase<double>, ConcatCase<double>, Ring<double, 7, 2, 1>,
                      KvCase<Eigen::half>, ConcatCase<Eigen::half>, Ring<Eigen::half, 7, 2, 1>, KvCase<Eigen::bfloat16>,
                      ConcatCase<Eigen::bfloat16>, Ring<Eigen::bfloat16, 7, 2, 1>, KvCase<kvcache::fp8_e4m3>,
-                     ConcatCase<kvcache::fp8_e4m3>, Ring<kvcache::fp8_e4m3, 7, 2, 1>, KvCase<kvcache::int8_rows>,
-                     ConcatCase<kvcache::int8_rows>, Ring<kvcache::int8_rows, 7, 2, 1>, KvCase<kvcache::int4_groups>,
-                     ConcatCase<kvcache::int4_groups>, Ring<kvcache::int4_groups, 7, 2, 1>, SlotCase<float>,
+                     ConcatCase<kvcache::fp8_e4m3>, Ring<kvcache::fp8_e4m3, 7, 2, 1>, KvCase<kvcache::fp8_e4m3_heads>,
+                     ConcatCase<kvcache::fp8_e4m3_heads>, Ring<kvcache::fp8_e4m3_heads, 7, 2, 1>,
+                     KvCase<kvcache::int8_rows>, ConcatCase<kvcache::int8_rows>, Ring<kvcache::int8_rows, 7, 2, 1>,
+                     KvCase<kvcache::int4_groups>, ConcatCase<kvcache::int4_groups>,
+                     Ring<kvcache::int4_groups, 7, 2, 1>, KvCase<kvcache::int4_rotated>,
+                     ConcatCase<kvcache::int4_rotated>, Ring<kvcache::int4_rotated, 7, 2, 1>, SlotCase<float>,
                      SlotCase<double>, SlotCase<Eigen::half>, SlotCase<Eigen::bfloat16>, SlotCase<kvcache::fp8_e4m3>,
-                     SlotCase<kvcache::int8_rows>, SlotCase<kvcache::int4_groups>, PagedCase<float>, PagedCase<double>,
-                     PagedCase<Eigen::half>, PagedCase<Eigen::bfloat16>, PagedCase<kvcache::fp8_e4m3>,
-                     PagedCase<kvcache::int8_rows>, PagedCase<kvcache::int4_groups>>;
+                     SlotCase<kvcache::fp8_e4m3_heads>, SlotCase<kvcache::int8_rows>, SlotCase<kvcache::int4_groups>,
+                     SlotCase<kvcache::int4_rotated>, PagedCase<float>, PagedCase<double>, PagedCase<Eigen::half>,
+                     PagedCase<Eigen::bfloat16>, PagedCase<kvcache::fp8_e4m3>, PagedCase<kvcache::fp8_e4m3_heads>,
+                     PagedCase<kvcache::int8_rows>, PagedCase<kvcache::int4_groups>, PagedCase<kvcache::int4_rotated>>;
 
 template <class Case>
 class Equivalence : public ::testing::Test {};
@@ -211,14 +221,17 @@ TYPED_TEST(Equivalence, CachedLogitsEqualUncachedAtEveryPosition) {
   const std::vector<TokenId> tokens = fixed_tokens(sequence_length, 7);
   // Same mask, no cache, K and V exact in float: the reference every variant must reproduce.
   const Matrix reference = model.forward_uncached(tokens, Case::window);
-  // A scale per head set by a cache's first update would depend on the schedule's first chunk:
-  // every cache here and the rounded reference share the scales the whole sequence calibrates
-  // (none for formats without: head_scales() is empty).
-  auto calibration = Case::make(sequence_length);
-  (void)model.forward(tokens, calibration);
-  const std::vector<float> key_scales = calibration.head_scales(false);
-  const std::vector<float> value_scales = calibration.head_scales(true);
-  const qwen3::HeadScales scales{key_scales, value_scales};
+  // fp8_e4m3_heads' static scales: what a float run of the whole sequence calibrates, shared by
+  // every cache here and the rounded reference (none for formats without).
+  kvcache::CalibratedScales calibrated;
+  if constexpr (kvcache::detail::has_head_scales<T>) {
+    const qwen3::Config& c = model.config();
+    kvcache::KvCache<float> probe(
+        {.layers = c.layers, .kv_heads = c.kv_heads, .head_dim = c.head_dim, .capacity = sequence_length});
+    (void)model.forward(tokens, probe);
+    calibrated = kvcache::calibrate_head_scales<T>(probe, 1.0F);
+  }
+  const qwen3::HeadScales scales{calibrated.keys, calibrated.values};
   // Same mask and the same rounding of K and V to T: isolates the cache from the element type.
   const Matrix rounded = model.forward_uncached<T>(tokens, Case::window, qwen3::Logits::all, scales);
 

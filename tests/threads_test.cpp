@@ -57,7 +57,7 @@ std::size_t layer_length(const Cache& cache, std::size_t layer) {
 
 /// One layer's share of a pass: `tokens` new tokens through update() and attention (with
 /// `threads` threads), its outputs appended to `outputs`. Later positions have larger values,
-/// so that fp8 heads scaled by their first update saturate (and count it) in later ones.
+/// so that fp8_e4m3_heads' given scales saturate (and count it) in later ones.
 template <class Cache>
 void step_layer(Cache& cache, std::size_t layer, std::size_t tokens, std::size_t threads, std::vector<float>& outputs) {
   const std::size_t start = layer_length(cache, layer);
@@ -89,6 +89,14 @@ Cache make_cache() {
   if constexpr (std::is_same_v<Cache, RingKvCache<typename Cache::value_type>>) {
     // A window as long as the prompt chunk: the chunk is staged, and the ring wraps.
     return Cache({.layers = kLayers, .kv_heads = kKvHeads, .head_dim = kHeadDim, .window = 6, .sinks = 2});
+  } else if constexpr (detail::has_head_scales<typename Cache::value_type>) {
+    static const std::vector<float> scales(kLayers * kKvHeads, 2.0F / 448);  // the first tokens' range
+    return Cache({.layers = kLayers,
+                  .kv_heads = kKvHeads,
+                  .head_dim = kHeadDim,
+                  .capacity = 64,
+                  .key_scales = scales,
+                  .value_scales = scales});
   } else {
     return Cache({.layers = kLayers, .kv_heads = kKvHeads, .head_dim = kHeadDim, .capacity = 64});
   }
@@ -100,8 +108,8 @@ class Threads : public ::testing::Test {};
 // Variants whose per-layer state differs (one buffer, reallocated buffers, a ring with staging,
 // slots admitted by the protocol's update), and a format whose head scales and saturation counts
 // are kept per layer.
-using Caches =
-    ::testing::Types<KvCache<float>, ConcatKvCache<float>, RingKvCache<float>, SlotKvCache<float>, KvCache<fp8_e4m3>>;
+using Caches = ::testing::Types<KvCache<float>, ConcatKvCache<float>, RingKvCache<float>, SlotKvCache<float>,
+                                KvCache<fp8_e4m3_heads>>;
 TYPED_TEST_SUITE(Threads, Caches);
 
 TYPED_TEST(Threads, EachLayerUpdatedByAThreadOfItsOwn) {
@@ -124,7 +132,7 @@ TYPED_TEST(Threads, EachLayerUpdatedByAThreadOfItsOwn) {
   EXPECT_EQ(cache.length(), replay.length());
   EXPECT_EQ(cache.clipped(), replay.clipped());
   EXPECT_EQ(cache.bytes(), replay.bytes());
-  if constexpr (std::is_same_v<typename TypeParam::value_type, fp8_e4m3>) {
+  if constexpr (std::is_same_v<typename TypeParam::value_type, fp8_e4m3_heads>) {
     EXPECT_GT(cache.clipped(), 0U) << "the later tokens were meant to saturate";
   }
 }

@@ -38,6 +38,7 @@
 
 #include "bench_support.hpp"
 #include "kvcache/detail/aligned_buffer.hpp"
+#include "kvcache/quantized.hpp"
 #include "variant.hpp"
 
 #define KVCACHE_AB_DECLARE(name) void kvcache_ab_decode_##name(const kvcache_ab::DecodeCall&);
@@ -80,6 +81,28 @@ void fill(Buffer<T>& b, std::size_t salt) {
   }
 }
 
+/// The type of a call storing T.
+template <class T>
+constexpr kvcache_ab::Type type_of() {
+  using kvcache_ab::Type;
+  if constexpr (std::is_same_v<T, float>) return Type::kFloat;
+  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return Type::kBfloat16;
+  if constexpr (std::is_same_v<T, Eigen::half>) return Type::kHalf;
+  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3>) return Type::kFp8;
+  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3_heads>) return Type::kFp8Heads;
+  if constexpr (std::is_same_v<T, kvcache::int8_rows>) return Type::kInt8;
+  if constexpr (std::is_same_v<T, kvcache::int4_groups>) return Type::kInt4;
+  if constexpr (std::is_same_v<T, kvcache::int4_rotated>) return Type::kInt4Rotated;
+}
+
+/// Bytes a stored row of T takes at kHeadDim, its row scale included.
+template <class T>
+constexpr std::size_t row_bytes() {
+  using Codec = kvcache::storage_codec<T>;
+  const bool row_scale = Codec::row_scales && !kvcache::detail::has_head_scales<T>;
+  return Codec::units(kHeadDim) * sizeof(typename Codec::unit) + (row_scale ? sizeof(float) : 0);
+}
+
 /// Times every revision's decode call over `kv_heads` kv heads of `tokens` keys, in turn with a
 /// plain read of the same K and V bytes. From memory (`in_cache` false): each read and call
 /// right after a read of as much other memory. In cache: K and V stay where the last call left
@@ -89,29 +112,39 @@ template <class T>
 void run_ab(benchmark::State& state, std::size_t kv_heads, std::size_t q_heads, std::size_t tokens, std::size_t threads,
             bool in_cache, bool stored_queries) {
   constexpr std::size_t kBatch = 16;
+  constexpr bool kQuantized = kvcache_ab::quantized(type_of<T>());
+  using Given = std::conditional_t<kQuantized, float, T>;  // a quantized format is given floats
   const std::size_t size = kv_heads * tokens * kHeadDim;
-  const std::size_t bytes = size * sizeof(T);
-  Buffer<T> keys(size), values(size);
+  const std::size_t bytes = kv_heads * tokens * row_bytes<T>();
+  Buffer<Given> keys(size), values(size);
+  // What the plain read reads: the K and V bytes themselves, or as many as a quantized format stores.
+  Buffer<float> stored_keys(kQuantized ? bytes / sizeof(float) : 0), stored_values(stored_keys.size());
   // Twice the history, and no less than the L3: a 64 MiB history read after only twice as much
   // other memory was partly still in a 480 MiB L3 (Intel Xeon), and read faster than memory.
   const Buffer<float> other(in_cache ? 0 : std::max(2 * bytes, kvcache::bench::l3_bytes()) / sizeof(float));
   fill(keys, 0);
   fill(values, 31);
+  fill(stored_keys, 0);
+  fill(stored_values, 31);
   std::vector<std::int64_t> positions(tokens);
   std::iota(positions.begin(), positions.end(), 0);
   std::vector<float> q(q_heads * kHeadDim);
   for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>(i % 13) / 13.0F - 0.5F;
   std::vector<std::vector<float>> out(kVariantCount, std::vector<float>(q.size()));
-  const auto type = std::is_same_v<T, float>             ? kvcache_ab::Type::kFloat
-                    : std::is_same_v<T, Eigen::bfloat16> ? kvcache_ab::Type::kBfloat16
-                                                         : kvcache_ab::Type::kHalf;
+  bool missing = false;
   const auto call = [&](std::size_t v) {
-    kVariants[v].decode({type, keys.data(), values.data(), positions, kv_heads, q_heads, tokens, kHeadDim, threads,
-                         q.data(), out[v].data(), stored_queries});
+    kVariants[v].decode({type_of<T>(), keys.data(), values.data(), positions, kv_heads, q_heads, tokens, kHeadDim,
+                         threads, q.data(), out[v].data(), stored_queries, &missing});
     benchmark::DoNotOptimize(out[v].data());
     benchmark::ClobberMemory();
   };
-  for (std::size_t v = 0; v < kVariantCount; ++v) call(v);
+  for (std::size_t v = 0; v < kVariantCount; ++v) {
+    call(v);
+    if (missing) {
+      state.SkipWithError((std::string(kVariants[v].name) + " has no such storage format").c_str());
+      return;
+    }
+  }
   for (std::size_t v = 1; v < kVariantCount; ++v) {
     for (std::size_t i = 0; i < q.size(); ++i) {
       // Outputs in the storage type may differ by its rounding, 2^-8 of a value in bfloat16, and
@@ -126,7 +159,8 @@ void run_ab(benchmark::State& state, std::size_t kv_heads, std::size_t q_heads, 
       }
     }
   }
-  const std::vector<std::pair<const float*, std::size_t>> same{floats(keys), floats(values)};
+  const std::vector<std::pair<const float*, std::size_t>> same =
+      kQuantized ? std::vector{floats(stored_keys), floats(stored_values)} : std::vector{floats(keys), floats(values)};
   const std::vector<std::pair<const float*, std::size_t>> elsewhere{{other.data(), other.size()}};
   std::vector<double> read_seconds;
   std::vector<std::vector<double>> call_seconds(kVariantCount);
@@ -176,7 +210,7 @@ void BM_DecodeAB(benchmark::State& state) {
 /// call's arithmetic alone, where the memory of a shared machine does not move the figures.
 template <class T, bool StoredQueries = false>
 void BM_InCacheAB(benchmark::State& state) {
-  const std::size_t tokens = (std::size_t{512} << 10) / (2 * kHeadDim * sizeof(T));
+  const std::size_t tokens = (std::size_t{512} << 10) / (2 * row_bytes<T>());
   run_ab<T>(state, 1, static_cast<std::size_t>(state.range(0)), tokens, 1, true, StoredQueries);
 }
 
@@ -224,6 +258,11 @@ void register_all() {
   each(BM_DecodeAB<Eigen::bfloat16>, "DecodeAB<bfloat16>");
   each(BM_DecodeAB<Eigen::half>, "DecodeAB<half>");
   each(BM_DecodeAB<Eigen::bfloat16, true>, "DecodeAB<bfloat16>/q:bfloat16");
+  each(BM_DecodeAB<kvcache::fp8_e4m3>, "DecodeAB<fp8_e4m3>");
+  each(BM_DecodeAB<kvcache::fp8_e4m3_heads>, "DecodeAB<fp8_e4m3_heads>");
+  each(BM_DecodeAB<kvcache::int8_rows>, "DecodeAB<int8_rows>");
+  each(BM_DecodeAB<kvcache::int4_groups>, "DecodeAB<int4_groups>");
+  each(BM_DecodeAB<kvcache::int4_rotated>, "DecodeAB<int4_rotated>");
   const auto cached = [&](auto* bench, const char* name) {
     auto* b = benchmark::RegisterBenchmark(name, bench)->ArgNames({"G"})->UseManualTime();
     b->Iterations(smoke ? 2 : 15);
@@ -233,6 +272,11 @@ void register_all() {
   cached(BM_InCacheAB<Eigen::bfloat16>, "InCacheAB<bfloat16>");
   cached(BM_InCacheAB<Eigen::half>, "InCacheAB<half>");
   cached(BM_InCacheAB<Eigen::bfloat16, true>, "InCacheAB<bfloat16>/q:bfloat16");
+  cached(BM_InCacheAB<kvcache::fp8_e4m3>, "InCacheAB<fp8_e4m3>");
+  cached(BM_InCacheAB<kvcache::fp8_e4m3_heads>, "InCacheAB<fp8_e4m3_heads>");
+  cached(BM_InCacheAB<kvcache::int8_rows>, "InCacheAB<int8_rows>");
+  cached(BM_InCacheAB<kvcache::int4_groups>, "InCacheAB<int4_groups>");
+  cached(BM_InCacheAB<kvcache::int4_rotated>, "InCacheAB<int4_rotated>");
   const auto short_history = [&](auto* bench, const char* name) {
     auto* b = benchmark::RegisterBenchmark(name, bench)->ArgNames({"H_q", "S"})->UseManualTime();
     b->Iterations(smoke ? 2 : 15);

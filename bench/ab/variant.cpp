@@ -3,8 +3,11 @@
 // -Dkvcache=<a namespace of its own> and -DKVCACHE_AB_NAME=<name>, so that several revisions'
 // kernels link into one program and are timed in turn on the same memory.
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -14,7 +17,84 @@
 #include "kvcache/kvcache.hpp"
 #include "variant.hpp"
 
+// The quantized formats a revision may or may not have: declared here, complete only where its
+// headers define them.
+namespace kvcache {
+struct fp8_e4m3;
+struct fp8_e4m3_heads;
+struct int8_rows;
+struct int4_groups;
+struct int4_rotated;
+}  // namespace kvcache
+
 namespace {
+
+/// Whether this revision defines format T.
+template <class T>
+concept known_format = requires {
+  sizeof(kvcache::storage_codec<T>);
+};
+
+/// The history of a KvCache<T> holding the call's K and V (floats), encoded on the first call
+/// with these buffers and kept for the next ones, so that a timed call only reads.
+template <class T>
+const kvcache::History<T>& encoded(const kvcache_ab::DecodeCall& call) {
+  struct Held {
+    const void* keys = nullptr;
+    const void* values = nullptr;
+    std::size_t kv_heads = 0, tokens = 0, head_dim = 0;
+    std::vector<float> key_scales, value_scales;
+    std::optional<kvcache::KvCache<T>> cache;
+    kvcache::History<T> history;
+  };
+  static Held held;
+  if (held.keys == call.keys && held.values == call.values && held.kv_heads == call.kv_heads &&
+      held.tokens == call.tokens && held.head_dim == call.head_dim) {
+    return held.history;
+  }
+  const kvcache::Shape shape{1, call.kv_heads, call.tokens, call.head_dim};
+  const auto* keys = static_cast<const float*>(call.keys);
+  const auto* values = static_cast<const float*>(call.values);
+  kvcache::KvCacheConfig config{
+      .layers = 1, .kv_heads = call.kv_heads, .head_dim = call.head_dim, .capacity = call.tokens};
+  held.key_scales.clear();
+  held.value_scales.clear();
+  if constexpr (kvcache::detail::has_head_scales<T>) {  // each head's largest magnitude maps to the largest code
+    for (std::size_t h = 0; h < call.kv_heads; ++h) {
+      float k = 0.0F, v = 0.0F;
+      for (std::size_t i = h * call.tokens * call.head_dim; i < (h + 1) * call.tokens * call.head_dim; ++i) {
+        k = std::max(k, std::fabs(keys[i]));
+        v = std::max(v, std::fabs(values[i]));
+      }
+      held.key_scales.push_back(kvcache::storage_codec<T>::scale_for(k));
+      held.value_scales.push_back(kvcache::storage_codec<T>::scale_for(v));
+    }
+    config.key_scales = held.key_scales;
+    config.value_scales = held.value_scales;
+  }
+  held.cache.emplace(config);
+  held.history = held.cache->update(0, kvcache::TensorView<const float>(keys, shape),
+                                    kvcache::TensorView<const float>(values, shape), call.positions);
+  held.keys = call.keys;
+  held.values = call.values;
+  held.kv_heads = call.kv_heads;
+  held.tokens = call.tokens;
+  held.head_dim = call.head_dim;
+  return held.history;
+}
+
+template <class T>
+void decode_quantized(const kvcache_ab::DecodeCall& call) {
+  if constexpr (!known_format<T>) {
+    *call.missing = true;
+  } else {
+    const kvcache::History<T>& history = encoded<T>(call);
+    const kvcache::Shape q_shape{1, call.q_heads, 1, call.head_dim};
+    const std::int64_t position = static_cast<std::int64_t>(call.tokens);
+    kvcache::causal_attention(kvcache::TensorView<const float>(call.q, q_shape), std::span(&position, 1), history,
+                              kvcache::TensorView<float>(call.out, q_shape), {.threads = call.threads});
+  }
+}
 
 template <class T>
 void decode(const kvcache_ab::DecodeCall& call) {
@@ -54,5 +134,15 @@ void KVCACHE_AB_JOIN(kvcache_ab_decode_, KVCACHE_AB_NAME)(const kvcache_ab::Deco
       return decode<Eigen::bfloat16>(call);
     case kvcache_ab::Type::kHalf:
       return decode<Eigen::half>(call);
+    case kvcache_ab::Type::kFp8:
+      return decode_quantized<kvcache::fp8_e4m3>(call);
+    case kvcache_ab::Type::kFp8Heads:
+      return decode_quantized<kvcache::fp8_e4m3_heads>(call);
+    case kvcache_ab::Type::kInt8:
+      return decode_quantized<kvcache::int8_rows>(call);
+    case kvcache_ab::Type::kInt4:
+      return decode_quantized<kvcache::int4_groups>(call);
+    case kvcache_ab::Type::kInt4Rotated:
+      return decode_quantized<kvcache::int4_rotated>(call);
   }
 }

@@ -54,8 +54,9 @@ Greedy generation with a tiny Qwen3 model, uncached and through each kvcache var
   --window W            RingKvCache window (default 32; 0 leaves the ring out)
   --sinks S             RingKvCache sink positions (default 4)
   --type T              cache element type: float, double, half, bf16 (default float)
-  --cache Q             also store K and V quantized: fp8, int8 or int4; prints the logit error
-                        against the float and bfloat16 caches, and the bytes of each
+  --cache Q             also store K and V quantized: fp8, fp8_heads (its scales calibrated on the
+                        prompt), int8, int4 or int4_rotated; prints the logit error against the
+                        float and bfloat16 caches, and the bytes of each
   --weights DIR         load DIR/config.json and DIR/*.safetensors instead of the random tiny model
   --seed S              seed of the random tiny model (default 2024)
   --scaling LIST        N values of the scaling table, comma-separated, or none (default 64,256,1024)
@@ -179,8 +180,9 @@ Options parse_options(int argc, char** argv) {
   if (o.type != "float" && o.type != "double" && o.type != "half" && o.type != "bf16") {
     usage_error("--type: expected float, double, half or bf16, given '" + o.type + "'");
   }
-  if (!o.cache.empty() && o.cache != "fp8" && o.cache != "int8" && o.cache != "int4") {
-    usage_error("--cache: expected fp8, int8 or int4, given '" + o.cache + "'");
+  if (!o.cache.empty() && o.cache != "fp8" && o.cache != "fp8_heads" && o.cache != "int8" && o.cache != "int4" &&
+      o.cache != "int4_rotated") {
+    usage_error("--cache: expected fp8, fp8_heads, int8, int4 or int4_rotated, given '" + o.cache + "'");
   }
   return o;
 }
@@ -544,9 +546,13 @@ void run_quantized(qwen3::Model& model, const std::vector<TokenId>& prompt, cons
     const std::string suffix = window.size == 0 ? ">"
                                                 : ">, " + std::string("window ") + std::to_string(window.size) + ", " +
                                                       std::to_string(window.sinks) + " sinks";
-    const qwen3::Decode as_float = qwen3::teacher_forced<float>(model, tokens, p, window);
-    const qwen3::Decode as_bf16 = qwen3::teacher_forced<Eigen::bfloat16>(model, tokens, p, window);
-    const qwen3::Decode quantized = qwen3::teacher_forced<Q>(model, tokens, p, window);
+    qwen3::Forcing how{.prompt = p, .window = window};
+    const qwen3::Decode as_float = qwen3::teacher_forced<float>(model, tokens, how);
+    const qwen3::Decode as_bf16 = qwen3::teacher_forced<Eigen::bfloat16>(model, tokens, how);
+    if constexpr (kvcache::detail::has_head_scales<Q>) {
+      how.scales = qwen3::calibrated_scales<Q>(model, std::span<const TokenId>(tokens).first(p));
+    }
+    const qwen3::Decode quantized = qwen3::teacher_forced<Q>(model, tokens, how);
     const auto line = [&](const std::string& name, const qwen3::Decode& d, bool vs_float, bool vs_bf16) {
       const auto cells = [&](bool show, const qwen3::Decode& ref) {
         char buf[64] = "";
@@ -566,8 +572,8 @@ void run_quantized(qwen3::Model& model, const std::vector<TokenId>& prompt, cons
     line(layout + q + suffix, quantized, true, true);
   }
   std::printf(
-      "KL(reference || cache) of the softmax, nats, averaged over the steps; fp8_e4m3 takes its scales from "
-      "the prompt.\n");
+      "KL(reference || cache) of the softmax, nats, averaged over the steps; fp8_e4m3_heads' scales are the "
+      "prompt's largest values (a float run) x 1.25.\n");
 }
 
 template <class T>
@@ -626,8 +632,10 @@ int demo(const Options& o) {
     ok = run<float>(model, prompt, o);
   }
   if (o.cache == "fp8") run_quantized<kvcache::fp8_e4m3>(model, prompt, o);
+  if (o.cache == "fp8_heads") run_quantized<kvcache::fp8_e4m3_heads>(model, prompt, o);
   if (o.cache == "int8") run_quantized<kvcache::int8_rows>(model, prompt, o);
   if (o.cache == "int4") run_quantized<kvcache::int4_groups>(model, prompt, o);
+  if (o.cache == "int4_rotated") run_quantized<kvcache::int4_rotated>(model, prompt, o);
   return ok ? 0 : 1;
 }
 

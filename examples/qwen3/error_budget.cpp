@@ -1,11 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvcache_error_budget: the chapter's experiment on the random reference model. Fixed token
-// ids, teacher-forced: a prompt, then one token a step; every quantized format against the
-// bfloat16 and the float cache, with and without a sliding window. Prints a markdown table
-// (docs/quantization.md holds one run of it).
+// ids, teacher-forced in two feeds (a prompt then one token a step; every token alone); every
+// format against the float and the bfloat16 cache. Prints markdown tables (docs/quantization.md
+// holds one run of each).
 //
-//   kvcache_error_budget                        # tiny model, 64-token prompt, 1000 steps, window 256
-//   kvcache_error_budget --model d128 --steps 1000 --window 256
+//   kvcache_error_budget                          # every shape, both feeds, 64 + 1000 tokens
+//   kvcache_error_budget --shape qwen3 --window 256
+//   kvcache_error_budget --table saturation       # what fp8_e4m3_heads' calibration costs
+//   kvcache_error_budget --table bytes            # bytes a row of every format, head sizes 16-256
 
 #include <Eigen/Core>
 #include <cstddef>
@@ -17,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kvcache/calibration.hpp"
 #include "kvcache/quantized.hpp"
 #include "kvcache/size.hpp"
 #include "qwen3/error_budget.hpp"
@@ -26,19 +29,27 @@ namespace {
 
 constexpr const char* usage = R"(usage: kvcache_error_budget [options]
 
-  --model M     tiny (the tests' model: head_dim 32) or d128 (head_dim 128, 2 kv heads, hidden 256)
-  --prompt P    prompt tokens, fed in one pass (default 64)
-  --steps N     decode steps, one token each (default 1000)
-  --window W    RingKvCache window for the second half of the table (default 256; 0 leaves it out)
-  --seed S      seed of the weights (default 2024); the token ids come from seed 7
+  --table T     budget (default): every format against float and bfloat16, per shape and feed;
+                saturation: fp8_e4m3_heads with scales calibrated several ways (--shape's first);
+                bytes: bytes a row of every format at head sizes 16 to 256;
+                sizes: Qwen3-0.6B's cache at 32k tokens in every format
+  --shape S     tiny, d48, qwen3 or all (default all)
+  --feed F      prompt (the prompt in one update, then a token a step), token (every token
+                alone) or both (default both)
+  --prompt P    tokens before the first step compared (default 64)
+  --steps N     teacher-forced steps compared, one token each (default 1000)
+  --window W    also through a RingKvCache of this window (default 0: KvCache alone)
+  --outliers F  scale a few K and V channels by F (the outsized channels trained models have)
 )";
 
 struct Options {
-  std::string model = "tiny";
+  std::string table = "budget";
+  std::string shape = "all";
+  std::string feed = "both";
   std::size_t prompt = 64;
   std::size_t steps = 1000;
-  std::size_t window = 256;
-  std::uint64_t seed = 2024;
+  std::size_t window = 0;
+  float outliers = 0.0F;
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -63,21 +74,29 @@ Options parse_options(int argc, char** argv) {
       if (value.empty() || value[0] == '-' || *end != '\0') usage_error(flag + ": expected a number, given " + value);
       return v;
     };
-    if (flag == "--model") {
-      o.model = value;
+    if (flag == "--table") {
+      o.table = value;
+    } else if (flag == "--shape") {
+      o.shape = value;
+    } else if (flag == "--feed") {
+      o.feed = value;
     } else if (flag == "--prompt") {
       o.prompt = static_cast<std::size_t>(number());
     } else if (flag == "--steps") {
       o.steps = static_cast<std::size_t>(number());
     } else if (flag == "--window") {
       o.window = static_cast<std::size_t>(number());
-    } else if (flag == "--seed") {
-      o.seed = number();
+    } else if (flag == "--outliers") {
+      o.outliers = static_cast<float>(number());
     } else {
       usage_error("unknown option '" + flag + "'");
     }
   }
-  if (o.model != "tiny" && o.model != "d128") usage_error("--model: expected tiny or d128, given " + o.model);
+  if (o.table != "budget" && o.table != "saturation" && o.table != "bytes" && o.table != "sizes")
+    usage_error("--table: expected budget, saturation, bytes or sizes, given " + o.table);
+  if (o.shape != "all") (void)qwen3::budget_shape(o.shape);  // throws for another name
+  if (o.feed != "prompt" && o.feed != "token" && o.feed != "both")
+    usage_error("--feed: expected prompt, token or both, given " + o.feed);
   if (o.prompt == 0 || o.steps == 0) usage_error("--prompt and --steps: expected at least 1");
   return o;
 }
@@ -88,24 +107,153 @@ std::string cell(double v, const char* format) {
   return buf;
 }
 
-/// One format's row: its drift against float and bfloat16 (none against itself for bfloat16).
-template <class T>
-void row(qwen3::Model& model, const std::vector<qwen3::TokenId>& tokens, const Options& o, qwen3::Window window,
-         const qwen3::Decode& as_float, const qwen3::Decode& as_bf16, const char* name) {
-  const qwen3::Config& c = model.config();
-  const qwen3::Decode d =
-      std::is_same_v<T, Eigen::bfloat16> ? as_bf16 : qwen3::teacher_forced<T>(model, tokens, o.prompt, window);
-  const qwen3::Drift f = qwen3::drift(as_float.logits, d.logits);
-  std::string vs_bf16 = "| - | - | -";
-  if (!std::is_same_v<T, Eigen::bfloat16>) {
-    const qwen3::Drift b = qwen3::drift(as_bf16.logits, d.logits);
-    vs_bf16 = "| " + cell(b.max_abs, "%.3g") + " | " + cell(b.mean_kl, "%.2e") + " | " + cell(100 * b.top1, "%.1f%%");
+std::string drift_cells(const qwen3::Drift& d) {
+  return cell(d.max_abs, "%.3g") + " | " + cell(d.mean_kl, "%.2e") + " | " + cell(100 * d.top1, "%.1f%%");
+}
+
+std::vector<const qwen3::BudgetShape*> shapes_of(const Options& o) {
+  std::vector<const qwen3::BudgetShape*> shapes;
+  for (const qwen3::BudgetShape& s : qwen3::budget_shapes()) {
+    if (o.shape == "all" || o.shape == s.name) shapes.push_back(&s);
   }
-  const std::string cache = window.size == 0 ? "KvCache" : "RingKvCache w" + std::to_string(window.size);
-  std::printf("| %s | %s | %zu | %s | %s | %s %s | %zu |\n", name, cache.c_str(),
-              kvcache::kv_bytes_per_token<T>(c.layers, c.kv_heads, c.head_dim), cell(f.max_abs, "%.3g").c_str(),
-              cell(f.mean_kl, "%.2e").c_str(), cell(100 * f.top1, "%.1f%%").c_str(), vs_bf16.c_str(), d.clipped);
+  return shapes;
+}
+
+std::vector<qwen3::Feed> feeds_of(const Options& o) {
+  std::vector<qwen3::Feed> feeds;
+  if (o.feed != "token") feeds.push_back(qwen3::Feed::prompt_then_decode);
+  if (o.feed != "prompt") feeds.push_back(qwen3::Feed::token_by_token);
+  return feeds;
+}
+
+/// One budget row: format T against float and bfloat16 (none against itself for bfloat16).
+template <class T>
+void budget_row(qwen3::Model& model, const std::vector<qwen3::TokenId>& tokens, const qwen3::Forcing& how,
+                const qwen3::Decode& as_float, const qwen3::Decode& as_bf16, const std::string& name) {
+  const qwen3::Config& c = model.config();
+  const qwen3::Decode d = std::is_same_v<T, Eigen::bfloat16> ? as_bf16 : qwen3::teacher_forced<T>(model, tokens, how);
+  const std::string vs_bf16 =
+      std::is_same_v<T, Eigen::bfloat16> ? "- | - | -" : drift_cells(qwen3::drift(as_bf16.logits, d.logits));
+  std::string cache = how.window.size == 0 ? "" : ", ring w" + std::to_string(how.window.size);
+  std::printf("| %s%s | %s | %zu | %s | %s | %zu |\n", name.c_str(), cache.c_str(), qwen3::feed_name(how.feed),
+              kvcache::kv_bytes_per_token<T>(c.layers, c.kv_heads, c.head_dim),
+              drift_cells(qwen3::drift(as_float.logits, d.logits)).c_str(), vs_bf16.c_str(), d.clipped);
   std::fflush(stdout);
+}
+
+void budget(const Options& o) {
+  for (const qwen3::BudgetShape* shape : shapes_of(o)) {
+    qwen3::Model model(qwen3::budget_weights(shape->config, o.outliers));
+    const qwen3::Config& c = model.config();
+    const auto tokens = qwen3::budget_tokens(c, o.prompt + o.steps);
+    // fp8_e4m3_heads' scales from another text of the same length, with the default margin.
+    const kvcache::CalibratedScales scales =
+        qwen3::calibrated_scales<kvcache::fp8_e4m3_heads>(model, qwen3::budget_tokens(c, o.prompt + o.steps, 8));
+    std::printf("\n%s: %s, vocab %zu%s; %zu-token prompt, %zu teacher-forced steps compared\n\n", shape->name,
+                shape->description, c.vocab,
+                o.outliers > 0 ? (", outlier channels x" + cell(o.outliers, "%g")).c_str() : "", o.prompt, o.steps);
+    std::printf(
+        "| format | feed | bytes/token | vs float: max \\|dlogit\\| | mean KL | top-1 | vs bf16: max \\|dlogit\\| | "
+        "mean KL | top-1 | clipped |\n");
+    std::printf("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
+    std::vector<qwen3::Window> windows = {{}};
+    if (o.window != 0) windows.push_back({o.window, 0});
+    for (const qwen3::Window window : windows) {
+      for (const qwen3::Feed feed : feeds_of(o)) {
+        qwen3::Forcing how{.prompt = o.prompt, .feed = feed, .window = window};
+        const qwen3::Decode as_float = qwen3::teacher_forced<float>(model, tokens, how);
+        const qwen3::Decode as_bf16 = qwen3::teacher_forced<Eigen::bfloat16>(model, tokens, how);
+        budget_row<Eigen::bfloat16>(model, tokens, how, as_float, as_bf16, "bfloat16");
+        budget_row<kvcache::fp8_e4m3>(model, tokens, how, as_float, as_bf16, "fp8_e4m3");
+        how.scales = scales;
+        budget_row<kvcache::fp8_e4m3_heads>(model, tokens, how, as_float, as_bf16, "fp8_e4m3_heads");
+        how.scales = {};
+        budget_row<kvcache::int8_rows>(model, tokens, how, as_float, as_bf16, "int8_rows");
+        budget_row<kvcache::int4_groups>(model, tokens, how, as_float, as_bf16, "int4_groups");
+        budget_row<kvcache::int4_rotated>(model, tokens, how, as_float, as_bf16, "int4_rotated");
+      }
+    }
+  }
+  std::printf(
+      "\nKL(reference || format) of the softmax over the vocabulary, in nats, averaged over the steps; "
+      "fp8_e4m3_heads' scales calibrated on another %zu-token text (margin %.2f).\n",
+      o.prompt + o.steps, static_cast<double>(kvcache::kDefaultCalibrationMargin));
+}
+
+/// fp8_e4m3_heads with its scales calibrated on several texts and margins, against float: what a
+/// scale that does not cover later values costs, next to fp8_e4m3's own row scales.
+void saturation(const Options& o) {
+  const qwen3::BudgetShape& shape = *shapes_of(o).front();
+  qwen3::Model model(qwen3::budget_weights(shape.config, o.outliers));
+  const qwen3::Config& c = model.config();
+  const auto tokens = qwen3::budget_tokens(c, o.prompt + o.steps);
+  const auto other = qwen3::budget_tokens(c, o.prompt + o.steps, 8);
+  const std::span<const qwen3::TokenId> run(tokens);
+  std::printf("\n%s: %s; %zu-token prompt, %zu steps; fp8_e4m3_heads against float\n\n", shape.name, shape.description,
+              o.prompt, o.steps);
+  std::printf("| scales | max \\|dlogit\\| | mean KL | top-1 | values clipped |\n|---|--:|--:|--:|--:|\n");
+  struct Calibration {
+    std::string what;
+    std::span<const qwen3::TokenId> text;
+    float margin;
+  };
+  const std::vector<Calibration> calibrations = {
+      {"the run itself, margin 1 (an oracle)", run, 1.0F},
+      {"another " + std::to_string(other.size()) + "-token text, margin 1.25 (the default)", other, 1.25F},
+      {"another " + std::to_string(other.size()) + "-token text, margin 1", other, 1.0F},
+      {"the " + std::to_string(o.prompt) + "-token prompt, margin 2", run.first(o.prompt), 2.0F},
+      {"the " + std::to_string(o.prompt) + "-token prompt, margin 1", run.first(o.prompt), 1.0F},
+      {"the first token, margin 1 (a first update's, fed token by token)", run.first(1), 1.0F},
+      {"another text's first token, margin 1 (another request's first update)", std::span(other).first(1), 1.0F},
+  };
+  // Static scales do not depend on the feed: the first feed asked for stands for both.
+  const qwen3::Forcing exact{.prompt = o.prompt, .feed = feeds_of(o).front()};
+  const qwen3::Decode as_float = qwen3::teacher_forced<float>(model, tokens, exact);
+  const qwen3::Decode rows = qwen3::teacher_forced<kvcache::fp8_e4m3>(model, tokens, exact);
+  std::printf("| fp8_e4m3: a scale per row | %s | 0 |\n",
+              drift_cells(qwen3::drift(as_float.logits, rows.logits)).c_str());
+  for (const Calibration& k : calibrations) {
+    qwen3::Forcing how = exact;
+    how.scales = qwen3::calibrated_scales<kvcache::fp8_e4m3_heads>(model, k.text, k.margin);
+    const qwen3::Decode d = qwen3::teacher_forced<kvcache::fp8_e4m3_heads>(model, tokens, how);
+    std::printf("| %s | %s | %s |\n", k.what.c_str(), drift_cells(qwen3::drift(as_float.logits, d.logits)).c_str(),
+                cell(100.0 * static_cast<double>(d.clipped) / static_cast<double>(d.values), "%.3f%%").c_str());
+    std::fflush(stdout);
+  }
+}
+
+/// Bytes of one stored row (K or V of one kv head and token) of format T at head size d, its
+/// row scale included.
+template <class T>
+std::size_t row_bytes(std::size_t d) {
+  return kvcache::kv_bytes_per_token<T>(1, 1, d) / 2;
+}
+
+template <class T>
+void bytes_row(const char* name, const std::vector<std::size_t>& dims) {
+  std::printf("| %s |", name);
+  for (const std::size_t d : dims) {
+    std::printf(" %zu (%.2f) |", row_bytes<T>(d), 8.0 * static_cast<double>(row_bytes<T>(d)) / static_cast<double>(d));
+  }
+  std::printf("\n");
+}
+
+void bytes() {
+  const std::vector<std::size_t> dims = {16, 32, 48, 64, 80, 96, 128, 160, 192, 256};
+  std::printf(
+      "\nBytes a row (K or V of one kv head and token, its scales included) and, in brackets, bits a value:\n\n");
+  std::printf("| format |");
+  for (const std::size_t d : dims) std::printf(" D = %zu |", d);
+  std::printf("\n|---|");
+  for (std::size_t i = 0; i < dims.size(); ++i) std::printf("--:|");
+  std::printf("\n");
+  bytes_row<Eigen::bfloat16>("bfloat16", dims);
+  bytes_row<kvcache::fp8_e4m3>("fp8_e4m3", dims);
+  bytes_row<kvcache::fp8_e4m3_heads>("fp8_e4m3_heads", dims);
+  bytes_row<kvcache::int8_rows>("int8_rows", dims);
+  bytes_row<kvcache::int4_groups>("int4_groups", dims);
+  bytes_row<kvcache::int4_rotated>("int4_rotated", dims);
+  std::printf("\nfp8_e4m3_heads adds two floats per (layer, kv head) once, not per row.\n");
 }
 
 /// One format's bytes for Qwen3-0.6B's cache at 32k tokens (the chapter's formula).
@@ -115,61 +263,32 @@ void size_row(const char* name) {
   constexpr std::size_t tokens = 32768;
   const std::size_t per_token = kvcache::kv_bytes_per_token<T>(c.layers, c.kv_heads, c.head_dim);
   // Scales kept per (layer, kv head) rather than per token: K and V, a float each.
-  const std::size_t head_scales = kvcache::storage_codec<T>::row_scales && kvcache::detail::has_head_scales<T>
-                                      ? 2 * c.layers * c.kv_heads * sizeof(float)
-                                      : 0;
+  const std::size_t head_scales = kvcache::detail::has_head_scales<T> ? 2 * c.layers * c.kv_heads * sizeof(float) : 0;
   const std::size_t total = per_token * tokens + head_scales;
   const std::size_t bf16 = kvcache::kv_bytes_per_token<Eigen::bfloat16>(c.layers, c.kv_heads, c.head_dim) * tokens;
-  std::printf("| %s | %zu | %zu | %zu | %.3f GiB | %.3f |\n", name,
-              kvcache::kv_bytes_per_token<T>(1, 1, c.head_dim) / 2, per_token, head_scales,
+  std::printf("| %s | %zu | %zu | %zu | %.3f GiB | %.3f |\n", name, row_bytes<T>(c.head_dim), per_token, head_scales,
               static_cast<double>(total) / static_cast<double>(1ULL << 30),
               static_cast<double>(total) / static_cast<double>(bf16));
 }
 
-void print_sizes() {
+void sizes() {
   std::printf("\nQwen3-0.6B (28 layers, 8 kv heads x 128) at 32,768 tokens, batch 1:\n\n");
   std::printf("| format | bytes/row | bytes/token (K+V, all layers) | head scales | at 32k | vs bf16 |\n");
   std::printf("|---|--:|--:|--:|--:|--:|\n");
   size_row<float>("float");
   size_row<Eigen::bfloat16>("bfloat16");
   size_row<kvcache::fp8_e4m3>("fp8_e4m3");
+  size_row<kvcache::fp8_e4m3_heads>("fp8_e4m3_heads");
   size_row<kvcache::int8_rows>("int8_rows");
   size_row<kvcache::int4_groups>("int4_groups");
+  size_row<kvcache::int4_rotated>("int4_rotated");
 }
 
 int run(const Options& o) {
-  qwen3::Config config;  // the tiny model the tests use
-  if (o.model == "d128") {
-    config = {.vocab = 256, .hidden = 256, .layers = 4, .q_heads = 4, .kv_heads = 2, .head_dim = 128, .mlp = 768};
-  }
-  qwen3::Model model(qwen3::random_weights(config, o.seed));
-  qwen3::SplitMix64 rng(7);
-  std::vector<qwen3::TokenId> tokens(o.prompt + o.steps);
-  for (qwen3::TokenId& t : tokens) t = static_cast<qwen3::TokenId>(rng.next() % config.vocab);
-
-  std::printf(
-      "Random Qwen3 (%s: %zu layers, hidden %zu, %zu q / %zu kv heads x %zu, vocab %zu, seed %llu), "
-      "%zu-token prompt, %zu teacher-forced decode steps\n\n",
-      o.model.c_str(), config.layers, config.hidden, config.q_heads, config.kv_heads, config.head_dim, config.vocab,
-      static_cast<unsigned long long>(o.seed), o.prompt, o.steps);
-  std::printf(
-      "| format | cache | bytes/token | vs float: max \\|dlogit\\| | mean KL | top-1 | vs bf16: max \\|dlogit\\| "
-      "| mean KL | top-1 | clipped |\n");
-  std::printf("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|\n");
-  std::vector<qwen3::Window> windows = {{}};
-  if (o.window != 0) windows.push_back({o.window, 0});
-  for (const qwen3::Window window : windows) {
-    const qwen3::Decode as_float = qwen3::teacher_forced<float>(model, tokens, o.prompt, window);
-    const qwen3::Decode as_bf16 = qwen3::teacher_forced<Eigen::bfloat16>(model, tokens, o.prompt, window);
-    row<Eigen::bfloat16>(model, tokens, o, window, as_float, as_bf16, "bfloat16");
-    row<kvcache::fp8_e4m3>(model, tokens, o, window, as_float, as_bf16, "fp8_e4m3");
-    row<kvcache::int8_rows>(model, tokens, o, window, as_float, as_bf16, "int8_rows");
-    row<kvcache::int4_groups>(model, tokens, o, window, as_float, as_bf16, "int4_groups");
-  }
-  std::printf(
-      "\nKL(reference || format) of the softmax over the vocabulary, in nats, averaged over the steps; "
-      "fp8_e4m3 scales set from the prompt (the first update).\n");
-  print_sizes();
+  if (o.table == "budget") budget(o);
+  if (o.table == "saturation") saturation(o);
+  if (o.table == "bytes") bytes();
+  if (o.table == "sizes") sizes();
   return 0;
 }
 

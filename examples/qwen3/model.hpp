@@ -180,11 +180,24 @@ struct Window {
   std::size_t sinks = 0;
 };
 
-/// Calibrated K and V scales per (layer, kv head), layer-major, for formats that keep one
-/// (kvcache::fp8_e4m3); empty: set from the data. As KvCacheConfig::key_scales / value_scales.
+/// K and V scales per (layer, kv head), layer-major, for formats that keep one
+/// (kvcache::fp8_e4m3_heads, which requires them); empty for the others. As
+/// KvCacheConfig::key_scales / value_scales.
 struct HeadScales {
   std::span<const float> keys{};
   std::span<const float> values{};
+};
+
+/// How a Model computes, besides its weights.
+struct ModelOptions {
+  /// What every attention call of forward() takes (forward_uncached() adds its window):
+  /// `.threads = 1`, say, so that no call's rounding depends on how threads split it.
+  kvcache::AttentionOptions attention{};
+  /// Every token's projections computed on their own, a matrix-vector product each, instead of
+  /// one matrix product over the batch's tokens, which may round a token's row differently with
+  /// other rows beside it. A sequence's logits then do not depend, to the bit, on what else the
+  /// batch held; slower, for tests that compare requests served together and alone.
+  bool batch_invariant = false;
 };
 
 /// The decoder. forward() reads and extends any cache that follows kvcache's protocol;
@@ -198,8 +211,9 @@ struct HeadScales {
 /// A Model keeps scratch buffers between calls: use one Model per thread.
 class Model {
  public:
-  /// Takes the weights; throws std::invalid_argument naming a tensor whose shape is not the config's.
-  explicit Model(Weights weights) : w_(std::move(weights)) {
+  /// Takes the weights (and how to compute); throws std::invalid_argument naming a tensor whose
+  /// shape is not the config's.
+  explicit Model(Weights weights, ModelOptions options = {}) : w_(std::move(weights)), options_(options) {
     w_.config.validate();
     if (w_.layers.size() != w_.config.layers) {
       throw std::invalid_argument("qwen3::Model: layers: expected " + std::to_string(w_.config.layers) + ", given " +
@@ -235,7 +249,7 @@ class Model {
       auto attend = [&](std::size_t layer, const Projections& p) {
         const Attention a = p.rows(0, 1, tokens.size());
         const auto history = cache.update(layer, a.k, a.v, a.positions);
-        kvcache::causal_attention(a.q, a.positions, history, a.out);
+        kvcache::causal_attention(a.q, a.positions, history, a.out, options_.attention);
       };
       run(tokens, sequence_positions(start, tokens.size()), attend);
       return logits(0, tokens.size(), which);
@@ -295,7 +309,7 @@ class Model {
           if (count != 0) {
             const Attention a = p.rows(token, end - g, count);
             const auto history = cache.update(layer, a.k, a.v, a.positions, kvcache::Rows(rows.data() + g, end - g));
-            kvcache::causal_attention(a.q, a.positions, history, a.out);
+            kvcache::causal_attention(a.q, a.positions, history, a.out, options_.attention);
           }
           token += (end - g) * count;
           g = end;
@@ -320,14 +334,15 @@ class Model {
   /// Logits of the whole sequence at positions 0..T-1 with no cache, masked by `window`.
   /// T is the format K and V are stored in before attention reads them, so a cache of any
   /// format can be compared with the same rounding; float leaves them exact. Every other format
-  /// goes through a KvCache<T> fed the whole sequence in one update per layer, so formats with a
-  /// scale per head take it from the whole sequence unless `scales` gives them (as a
-  /// KvCacheConfig's key_scales and value_scales).
+  /// goes through a KvCache<T> fed the whole sequence in one update per layer, with `scales` for
+  /// a format that keeps a scale per head (as a KvCacheConfig's key_scales and value_scales).
   template <kvcache::storage_format T = float>
   Matrix forward_uncached(std::span<const TokenId> tokens, Window window = {}, Logits which = Logits::all,
                           HeadScales scales = {}) {
     check_tokens(tokens);
-    const kvcache::AttentionOptions options{.window = window.size, .sinks = window.sinks};
+    kvcache::AttentionOptions options = options_.attention;
+    options.window = window.size;
+    options.sinks = window.sinks;
     const auto positions = sequence_positions(0, tokens.size());
     if constexpr (std::is_same_v<T, float>) {
       auto attend = [&](std::size_t, const Projections& p) {
@@ -485,21 +500,21 @@ class Model {
     for (std::size_t l = 0; l < c.layers; ++l) {
       const LayerWeights& lw = w_.layers[l];
       rms_norm(x_, lw.input_norm, h_);
-      q_.noalias() = h_ * lw.q_proj.transpose();
-      k_.noalias() = h_ * lw.k_proj.transpose();
-      v_.noalias() = h_ * lw.v_proj.transpose();
+      project(h_, lw.q_proj, q_);
+      project(h_, lw.k_proj, k_);
+      project(h_, lw.v_proj, v_);
       norm_and_rotate(q_, c.q_heads, lw.q_norm);
       norm_and_rotate(k_, c.kv_heads, lw.k_norm);
       attn_.resize(idx(n), idx(c.q_width()));
       attend(l, Projections{q_.data(), k_.data(), v_.data(), attn_.data(), positions.data(), c.q_heads, c.kv_heads,
                             c.head_dim});
-      x_.noalias() += attn_ * lw.o_proj.transpose();
+      project(attn_, lw.o_proj, x_, true);
 
       rms_norm(x_, lw.post_norm, h_);
-      gate_.noalias() = h_ * lw.gate_proj.transpose();
-      up_.noalias() = h_ * lw.up_proj.transpose();
-      gate_.array() = gate_.array() / (1.0F + (-gate_.array()).exp()) * up_.array();  // silu(gate) * up
-      x_.noalias() += gate_ * lw.down_proj.transpose();
+      project(h_, lw.gate_proj, gate_);
+      project(h_, lw.up_proj, up_);
+      silu_times(up_, gate_);
+      project(gate_, lw.down_proj, x_, true);
     }
   }
 
@@ -509,11 +524,56 @@ class Model {
     if (count == 0) return Matrix(0, idx(c.vocab));  // NOLINT(modernize-return-braced-init-list): rows, cols
     const std::size_t from = which == Logits::last ? first + count - 1 : first;
     rms_norm(x_.middleRows(idx(from), idx(first + count - from)), w_.final_norm, h_);
-    const Matrix& head = c.tied ? w_.embed : w_.lm_head;
-    return h_ * head.transpose();
+    Matrix out;
+    project(h_, c.tied ? w_.embed : w_.lm_head, out);
+    return out;
+  }
+
+  /// gate := silu(gate) * up, elementwise; a row at a time (each in storage of its own) where
+  /// the options ask for batch invariance, since a vectorized exp rounds a value otherwise than
+  /// the scalar one that takes an unaligned tail.
+  void silu_times(const Matrix& up, Matrix& gate) const {
+    if (!options_.batch_invariant) {
+      gate.array() = gate.array() / (1.0F + (-gate.array()).exp()) * up.array();
+      return;
+    }
+    Vector g;
+    Vector u;
+    for (Eigen::Index t = 0; t < gate.rows(); ++t) {
+      g = gate.row(t);
+      u = up.row(t);
+      g.array() = g.array() / (1.0F + (-g.array()).exp()) * u.array();
+      gate.row(t) = g;
+    }
+  }
+
+  /// out = x W^T (out += x W^T where `add`): one matrix product, or one matrix-vector product a
+  /// row where the options ask for batch invariance.
+  void project(const Matrix& x, const Matrix& w, Matrix& out, bool add = false) const {
+    if (!options_.batch_invariant) {
+      if (add) {
+        out.noalias() += x * w.transpose();
+      } else {
+        out.noalias() = x * w.transpose();
+      }
+      return;
+    }
+    if (!add) out.resize(x.rows(), w.rows());
+    Vector in;
+    Vector row;
+    for (Eigen::Index t = 0; t < x.rows(); ++t) {
+      in = x.row(t);  // storage of its own, so that the row's alignment never varies
+      row.noalias() = in * w.transpose();
+      if (add) {
+        out.row(t) += row;
+      } else {
+        out.row(t) = row;
+      }
+    }
   }
 
   Weights w_;
+  ModelOptions options_;
   std::vector<double> inv_freq_;  // theta^(-2i/D), i < D/2
   // Scratch reused across calls, so a decode step allocates (almost) nothing.
   std::vector<std::int64_t> positions_;

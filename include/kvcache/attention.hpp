@@ -147,13 +147,44 @@ void attend_by_width(const QueryRows<acc_type<T>>& q, const History<T>& history,
   return attend<kNativeBytes>(q, history, rule, scale, options);
 }
 
+/// Attention over a rotated format's rows (is_rotated<T>): the queries rotated into float rows
+/// once, `attend(rows)` run on them (the kernel, reading its queries from rows and writing its
+/// output there), and the output rotated back into out. q . k is unchanged by an orthogonal
+/// transform of both, and the weighted sum of rotated V rows is the rotated sum.
+template <class T, class Q, class Attend>
+void with_rotated_queries(const TensorView<const Q>& q, const TensorView<Q>& out, const Attend& attend) {
+  static_assert(std::is_same_v<acc_type<T>, float>, "a rotated format is summed in float");
+  const Shape shape = q.shape();
+  std::vector<float> rows(shape.size());  // [B, H_q, T, D]: the queries, then the output in place
+  const TensorView<float> view(rows.data(), shape);
+  const auto each_row = [&](const auto& f) {
+    for (std::size_t b = 0; b < shape.batch; ++b)
+      for (std::size_t h = 0; h < shape.heads; ++h)
+        for (std::size_t t = 0; t < shape.tokens; ++t) f(b, h, t);
+  };
+  each_row([&](std::size_t b, std::size_t h, std::size_t t) {
+    float* row = view.row(b, h, t);
+    const Q* from = q.row(b, h, t);
+    for (std::size_t d = 0; d < shape.head_dim; ++d) row[d] = static_cast<float>(widen(from[d]));
+    storage_codec<T>::rotate(row, shape.head_dim);
+  });
+  attend(view);
+  each_row([&](std::size_t b, std::size_t h, std::size_t t) {
+    float* row = view.row(b, h, t);
+    storage_codec<T>::unrotate(row, shape.head_dim);
+    Q* to = out.row(b, h, t);
+    for (std::size_t d = 0; d < shape.head_dim; ++d) to[d] = narrow<Q>(row[d]);
+  });
+}
+
 }  // namespace detail
 
 /// out[b, h, t] = softmax over the visible keys of q[b, h, t] . k / sqrt(D), times v.
 /// q, out: [B, H_q, T, D] in any compute type; q_positions: the T queries' absolute positions
 /// (shared by every batch row, or a list per row); history: what update() returned, [B, H_kv,
 /// S, D] in segments of any storage format, H_q a multiple of H_kv. out may be q itself (the
-/// same view): every query row is read before its output is written. Throws
+/// same view): every query row is read before its output is written. A rotated format's rows
+/// (int4_rotated) are read against queries rotated alike, and the output rotated back. Throws
 /// std::invalid_argument for mismatched shapes before writing anything.
 template <class T, class Q>
 void causal_attention(TensorView<const Q> q, const Positions& q_positions, const History<T>& history, TensorView<Q> out,
@@ -175,7 +206,14 @@ void causal_attention(TensorView<const Q> q, const Positions& q_positions, const
   const Acc scale =
       options.scale != 0.0f ? static_cast<Acc>(options.scale) : Acc{1} / std::sqrt(static_cast<Acc>(q.head_dim()));
   const detail::VisibilityRule rule(history.window, history.sinks, options.window, options.sinks);
-  detail::attend_by_width(detail::query_rows<Acc>(q, q_positions, out), history, rule, scale, options);
+  if constexpr (detail::is_rotated<T>) {
+    detail::with_rotated_queries<T>(q, out, [&](const TensorView<float>& rows) {
+      detail::attend_by_width(detail::query_rows<float>(TensorView<const float>(rows), q_positions, rows), history,
+                              rule, scale, options);
+    });
+  } else {
+    detail::attend_by_width(detail::query_rows<Acc>(q, q_positions, out), history, rule, scale, options);
+  }
 }
 
 /// causal_attention for a mutable q view, so TensorView<float> works without a cast.

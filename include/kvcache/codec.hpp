@@ -22,15 +22,21 @@
 //     static constexpr const char* name = "my_format";   // for messages
 //     static constexpr float max_magnitude = 65504.0F;  // update() refuses non-finite input and
 //                                                       // input beyond this, cache unchanged
-//     static constexpr bool head_scales = true;         // one scale per (layer, kv head) instead,
-//     static float scale_for(float amax) noexcept;      // set from a head's first update, and
+//     static constexpr bool head_scales = true;         // one static scale per (layer, kv head)
+//     static float scale_for(float amax) noexcept;      // instead, given in the config, and
 //     template <class In>                               // encode given it; returns the values
 //     static std::size_t encode(const In*, unit*, std::size_t, float scale) noexcept;  // clipped
 //     static constexpr int load_exponent = 120;          // load gives the values times 2^-120,
 //                                                       // which the kernel folds into its scales
+//     static void rotate(float* x, std::size_t head_dim) noexcept;    // an orthogonal transform R
+//     static void unrotate(float* x, std::size_t head_dim) noexcept;  // of a head that encode
+//                                                       // applies to every row, and R^T: attention
+//                                                       // reads R q against the rows and writes
+//                                                       // R^T of what it sums, once per call
 //
 // A format with head_scales also has row_scales: its segments repeat the head's scale for
-// every row (a token stride of 0), so the kernel reads both kinds the same way.
+// every row (a token stride of 0), so the kernel reads both kinds the same way. Without rotate,
+// the transform is the identity: the kernel never sees it either way.
 
 #include <algorithm>
 #include <bit>
@@ -221,6 +227,14 @@ namespace detail {
 template <class T>
 inline constexpr bool has_head_scales = requires {
   requires storage_codec<T>::head_scales;
+};
+
+/// Whether format T stores each head rotated (rotate and unrotate in its codec): attention then
+/// rotates the queries alike and rotates its output back.
+template <class T>
+inline constexpr bool is_rotated = requires(float* x, std::size_t n) {
+  storage_codec<T>::rotate(x, n);
+  storage_codec<T>::unrotate(x, n);
 };
 
 /// The power of two format T's load leaves out of its values (0 unless the codec names one):

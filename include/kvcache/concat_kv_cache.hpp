@@ -60,10 +60,7 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
     check_truncate(length);
     set_all_lengths(length);
   }
-  void reset() noexcept {
-    set_all_lengths(0);
-    reset_scales();
-  }
+  void reset() noexcept { set_all_lengths(0); }
 
   /// The layer's history as update() returns it, without writing: [B, H_kv, length(layer), D]
   /// (no segment before the first update). Valid until the next mutating call on that layer;
@@ -118,13 +115,13 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t length = check_update(layer, k, v, positions, capacity_);
-    const auto scales = prepare_update<T>(layer, k, v);
+    check_values<T>(layer, k, v);
     Layer& old = layers_[layer];
     const std::size_t total = length + k.tokens();
     Layer grown{detail::RowStore<T>(batch(), kv_heads(), head_dim(), total, kPlain), std::vector<std::int64_t>(total)};
     // The allocations above are the only steps that can throw; from here on nothing does.
     if (length != 0) grown.rows.copy(old.rows, 0, length, 0);
-    commit_update(layer, scales, grown.rows.encode(k, v, 0, k.tokens(), length, head_scale_view(scales)));
+    count_clipped(layer, grown.rows.encode(k, v, 0, k.tokens(), length, head_scale_view(layer)));
     std::iota(grown.positions.begin(), grown.positions.end(), std::int64_t{0});
     old = std::move(grown);
     set_length(layer, total);

@@ -71,9 +71,9 @@ struct KvCacheConfig {
   Count<"window"> window = 0;
   Count<"sinks"> sinks = 0;
   Count<"slack"> slack = 0;
-  /// For formats with a scale per (layer, kv head) (fp8_e4m3): calibrated K and V scales,
-  /// layers x kv_heads each, layer-major, copied at construction. Empty: each head's scale is
-  /// set from its layer's first update (and again after reset()).
+  /// For formats with a static scale per (layer, kv head) (fp8_e4m3_heads), required: K and V
+  /// scales, layers x kv_heads each, layer-major, copied at construction
+  /// (kvcache::calibrate_head_scales finds them from a float run). Empty for every other format.
   std::span<const float> key_scales{};
   std::span<const float> value_scales{};
 };

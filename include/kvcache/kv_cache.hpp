@@ -71,10 +71,7 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
     check_truncate(length);
     set_all_lengths(length);
   }
-  void reset() noexcept {
-    set_all_lengths(0);
-    reset_scales();
-  }
+  void reset() noexcept { set_all_lengths(0); }
 
   /// The layer's history as update() returns it, without writing: [B, H_kv, length(layer), D].
   /// Valid until the next mutating call on that layer; std::out_of_range for a bad layer.
@@ -108,8 +105,8 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t start = check_update(layer, k, v, positions, capacity_);
-    const auto scales = prepare_update<T>(layer, k, v);
-    commit_update(layer, scales, rows_[layer].encode(k, v, 0, k.tokens(), start, head_scale_view(scales)));
+    check_values<T>(layer, k, v);
+    count_clipped(layer, rows_[layer].encode(k, v, 0, k.tokens(), start, head_scale_view(layer)));
     set_length(layer, start + k.tokens());
     return history(layer);
   }

@@ -6,6 +6,7 @@
 
 #include "kvcache/attention.hpp"
 #include "kvcache/block_store.hpp"
+#include "kvcache/calibration.hpp"
 #include "kvcache/concat_kv_cache.hpp"
 #include "kvcache/concepts.hpp"
 #include "kvcache/config.hpp"

@@ -353,8 +353,8 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   [[nodiscard]] std::size_t bytes() const noexcept {
     return pool_ == nullptr ? 0 : table_.size() * pool_->block_bytes();
   }
-  /// The pool's saturated values and head scales: the pool's blocks share one scale per
-  /// (layer, kv head) for formats that keep one.
+  /// The pool's saturated values and head scales: the pool's blocks share the static scale per
+  /// (layer, kv head) its config gave, for formats that keep one.
   [[nodiscard]] std::size_t clipped() const noexcept { return pool_ == nullptr ? 0 : pool_->clipped(); }
   [[nodiscard]] std::vector<float> head_scales(bool values) const {
     return pool_ == nullptr ? std::vector<float>{} : pool_->head_scales(values);
@@ -552,8 +552,8 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
 
   // State files (state_file.hpp): one sequence, not its pool. PAGE holds the block size and
   // the token ids known; ROWS[l] the layer's tokens block after block. A load takes fresh
-  // blocks of the pool into an empty sequence; BASE's head scales must agree with the pool's
-  // (a head the pool has not set takes the file's), and the pool's clipped count stays its own.
+  // blocks of the pool into an empty sequence; BASE's head scales must agree with the pool's,
+  // and the pool's clipped count stays its own.
   [[nodiscard]] KvCacheConfig state_config() const noexcept {
     return {.layers = layers(), .batch = 1, .kv_heads = kv_heads(), .head_dim = head_dim(), .capacity = capacity()};
   }
@@ -590,25 +590,22 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       ids[i] = static_cast<TokenId>(wide[i]);
     }
 
-    // The pool's head scales, those it has not set taken from the file; others must agree.
-    std::vector<LayerScales> scales;
+    // The rows were encoded with the file's head scales: they must be the pool's, which its
+    // blocks share (0, a head no update had set in a file of an earlier version, agrees).
     for (std::size_t l = 0; l < layers() && !in.head_scales(false).empty(); ++l) {
-      LayerScales s{std::vector<float>(kv_heads()), std::vector<float>(kv_heads())};
+      const detail::HeadScaleView own = pool_->head_scale_view(l);
       for (const bool values : {false, true}) {
-        const detail::HeadScaleView own = pool_->head_scale_view(l);
         for (std::size_t h = 0; h < kv_heads(); ++h) {
           const float pool = (values ? own.values : own.keys)[h];
           const float file = in.head_scales(values)[l * kv_heads() + h];
-          if (pool != 0.0F && file != 0.0F && pool != file) {
+          if (file != 0.0F && pool != file) {
             throw std::invalid_argument("kvcache::load_state: the file's " + std::string(values ? "V" : "K") +
                                         " scale of layer " + std::to_string(l) + " kv head " + std::to_string(h) +
                                         ": expected " + std::to_string(pool) +
                                         " (the pool's, which its blocks share), found " + std::to_string(file));
           }
-          (values ? s.values : s.keys)[h] = pool != 0.0F ? pool : file;
         }
       }
-      scales.push_back(std::move(s));
     }
 
     // Fresh blocks: the first the pool would take (never-keyed ones first). Those free but
@@ -629,7 +626,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     for (std::size_t l = 0; l < layers(); ++l) in.blocks("ROWS", l, pool_->rows_[l], table, block(), in.lengths()[l]);
     keys_.reserve(needed);
 
-    return [this, table = std::move(table), ids = std::move(ids), scales = std::move(scales),
+    return [this, table = std::move(table), ids = std::move(ids),
             lengths = std::vector<std::size_t>(in.lengths().begin(), in.lengths().end())]() mutable noexcept {
       for ([[maybe_unused]] const std::size_t b : table) {
         [[maybe_unused]] const std::size_t taken = pool_->take_free();
@@ -644,7 +641,6 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
         pool_->meta_[table_[j]].ids.assign(ids_.begin() + static_cast<std::ptrdiff_t>(from),
                                            ids_.begin() + static_cast<std::ptrdiff_t>(std::max(from, to)));
       }
-      for (std::size_t l = 0; l < scales.size(); ++l) pool_->commit_update(l, scales[l], 0);
       for (std::size_t l = 0; l < layers(); ++l) set_length(l, lengths[l]);
       try {
         key_full_blocks();  // as an update would: a later sequence may reuse them
@@ -672,7 +668,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
                                  "at most the " + std::to_string(pool_->free_blocks()) + " free",
                                  std::to_string(needed) + " needed for " + std::to_string(tokens) + " tokens"));
     }
-    const auto scales = pool_->template prepare_update<T>(layer, k, v);
+    pool_->template check_values<T>(layer, k, v);
 
     for (std::size_t j = first; tokens != 0 && j <= last; ++j) {
       if (j >= table_.size()) {
@@ -690,13 +686,14 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     for (std::size_t done = 0; done < tokens;) {
       const std::size_t at = start + done;
       const std::size_t n = std::min(tokens - done, b - at % b);
-      clipped += pool_->rows_[layer].encode(k, v, done, n, table_[at / b] * b + at % b, head_scale_view(scales));
+      clipped +=
+          pool_->rows_[layer].encode(k, v, done, n, table_[at / b] * b + at % b, pool_->head_scale_view(layer));
       const std::size_t known = std::min(n, ids_.size() - std::min(ids_.size(), at));
       pool_->record_ids(table_[at / b], at % b, n,
                         std::span<const TokenId>(ids_).subspan(std::min(at, ids_.size()), known));
       done += n;
     }
-    pool_->commit_update(layer, scales, clipped);
+    pool_->count_clipped(layer, clipped);
     set_length(layer, start + tokens);
     key_full_blocks();
     return history(layer);

@@ -6,19 +6,27 @@
 //
 //   kvcache::KvCache<kvcache::fp8_e4m3> cache({.layers = 28, .kv_heads = 8, .head_dim = 128, .capacity = 4096});
 //
-// fp8_e4m3    OCP e4m3fn bytes (largest finite 448, no infinities) with one float scale per
-//             (layer, kv head) for K and one for V: given in KvCacheConfig::key_scales /
-//             value_scales (calibrated), else set from the first update of that layer (amax / 448).
-//             A later value beyond 464 x scale (that would not round to 448) saturates at 448
-//             and is counted by the cache's clipped().
-// int8_rows   symmetric int8 with one float scale per (token, kv head) row: amax / 127.
-// int4_groups groups of 32 values along the head, each with a half-precision scale and minimum,
-//             two values a byte (20 bytes a group).
+// fp8_e4m3       OCP e4m3fn bytes (largest finite 448, no infinities) with one float scale per
+//                (token, kv head) row: amax / 448. Needs no calibration; nothing saturates.
+// fp8_e4m3_heads the same bytes with one static float scale per (layer, kv head) for K and one
+//                for V, given in KvCacheConfig::key_scales / value_scales (calibrate_head_scales
+//                in calibration.hpp finds them from a float run). A value beyond 464 x its
+//                head's scale (that would not round to 448) saturates at 448 and is counted by
+//                the cache's clipped().
+// int8_rows      symmetric int8 with one float scale per (token, kv head) row: amax / 127.
+// int4_groups    groups of 32 values along the head, each with a half-precision scale and
+//                minimum, two values a byte (20 bytes a group).
+// int4_rotated   each head rotated on write by a fixed orthogonal transform (random signs, then
+//                Walsh-Hadamard blocks: detail/hadamard.hpp), then groups of 16 values, each with
+//                a half-precision scale and minimum (12 bytes a group). Attention rotates the
+//                queries alike and rotates the output back, once per call.
 //
-// Each takes only finite input (int4_groups: of magnitude at most 65504, its scales' range);
-// other input is refused by update() with the cache unchanged.
+// Each takes only finite input (int4_groups: of magnitude at most 65504, its scales' range;
+// int4_rotated: at most 4000, so that a rotated value stays in that range); other input is
+// refused by update() with the cache unchanged.
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -27,16 +35,22 @@
 #include <limits>
 
 #include "kvcache/codec.hpp"
+#include "kvcache/detail/hadamard.hpp"
 #include "kvcache/detail/simd.hpp"
 
 namespace kvcache {
 
-/// FP8 E4M3 (OCP e4m3fn) with a scale per (layer, kv head).
+/// FP8 E4M3 (OCP e4m3fn) with a scale per (token, kv head) row.
 struct fp8_e4m3 {};
+/// FP8 E4M3 (OCP e4m3fn) with a static scale per (layer, kv head), given in the config.
+struct fp8_e4m3_heads {};
 /// int8 with a scale per (token, kv head) row.
 struct int8_rows {};
 /// int4 in groups of 32 with a scale and a minimum per group.
 struct int4_groups {};
+/// int4 of each head rotated by a fixed orthogonal transform, in groups of 16 with a scale and a
+/// minimum per group.
+struct int4_rotated {};
 
 namespace detail {
 
@@ -90,19 +104,147 @@ inline std::uint16_t half_bits_toward(float x, bool up) noexcept {
 /// instruction on SSE4.1 and later, which lets a row's loop vectorize).
 inline float round_even(float x) noexcept { return std::nearbyint(x); }
 
-}  // namespace detail
-
-template <>
-struct storage_codec<fp8_e4m3> {
+/// Rows of E4M3 codes: how fp8_e4m3 and fp8_e4m3_heads read them.
+struct E4M3Rows {
   using unit = std::uint8_t;
   using acc = float;
-  static constexpr const char* name = "fp8_e4m3";
-  static constexpr bool row_scales = true;   // the head's scale, repeated for every row
-  static constexpr bool head_scales = true;  // one scale per (layer, kv head), given to encode
+  static constexpr bool row_scales = true;
   static constexpr float max_magnitude = std::numeric_limits<float>::max();
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
-  /// The scale that maps a head's largest magnitude to E4M3's largest.
+  /// load gives the value times 2^-120: integer operations alone, which leave the vector
+  /// unit's multipliers to the dot products; the kernel puts 2^120 back in its scales.
+  static constexpr int load_exponent = 120;
+  template <std::size_t B>
+  KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
+    // Sign-extended, shifted so the exponent and mantissa sit in a float's place, the sign's
+    // copies masked off.
+    const auto wide = widen_bytes<B, true>(row + d) << 20;
+    const auto bits = wide & static_cast<std::int32_t>(0x87F00000U);
+    return std::bit_cast<Vec<float, B>>(bits);
+  }
+  static float value(const unit* row, std::size_t d) noexcept { return float_of_e4m3(row[d]); }
+};
+
+/// int4 rows in groups of G values along the head. A group: a half step and a half minimum,
+/// then G / 2 bytes whose low nibbles hold values [0, G / 2) and high nibbles [G / 2, G), so
+/// that a register's values come from one nibble of adjacent bytes (or, a register as wide as
+/// the group, from the low nibbles and then the high ones).
+template <std::size_t G>
+struct Int4Groups {
+  using unit = std::uint8_t;
+  using acc = float;
+  static constexpr bool row_scales = false;  // the scales are inside the row, a pair a group
+  static constexpr std::size_t kGroup = G;
+  static constexpr std::size_t kGroupBytes = 4 + G / 2;
+  static constexpr std::size_t units(std::size_t head_dim) noexcept { return (head_dim + G - 1) / G * kGroupBytes; }
+
+  /// Stores n <= G values as one group; a short group is padded with its first value (which
+  /// moves neither end of its range).
+  static void encode_group(const float* in, std::size_t n, unit* group) noexcept {
+    float x[G];
+    std::copy_n(in, n, x);
+    std::fill(x + n, x + G, in[0]);
+    // Min and max through order-keeping integers, which vectorize.
+    std::int32_t lo_key = std::numeric_limits<std::int32_t>::max();
+    std::int32_t hi_key = std::numeric_limits<std::int32_t>::min();
+    for (std::size_t i = 0; i < G; ++i) {
+      const std::int32_t key = ordered(x[i]);
+      lo_key = std::min(lo_key, key);
+      hi_key = std::max(hi_key, key);
+    }
+    const float lo = unordered(lo_key), hi = unordered(hi_key);
+    // The minimum rounded down and the step up, so that 0..15 still cover [lo, hi].
+    const std::uint16_t min_bits = half_bits_toward(lo, false);
+    const float min = float_of_half_bits(min_bits);
+    const std::uint16_t step_bits = half_bits_toward((hi - min) / 15.0F, true);
+    const float step = float_of_half_bits(step_bits);
+    const float divisor = step > 0.0F ? step : 1.0F;  // a step of 0: every value is min
+    std::uint8_t q[G];
+    for (std::size_t i = 0; i < G; ++i) {
+      q[i] = static_cast<std::uint8_t>(std::clamp(round_even((x[i] - min) / divisor), 0.0F, 15.0F));
+    }
+    std::fill(q + n, q + G, std::uint8_t{0});
+    std::memcpy(group, &step_bits, 2);
+    std::memcpy(group + 2, &min_bits, 2);
+    for (std::size_t i = 0; i < G / 2; ++i) group[4 + i] = static_cast<unit>(q[i] | (q[i + G / 2] << 4));
+  }
+
+  template <std::size_t B>
+  KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
+    constexpr std::size_t W = B / 4;
+    static_assert(G % W == 0, "a register's values lie in one group");
+    const unit* group = row + d / G * kGroupBytes;
+    const std::size_t at = d % G;
+    Vec<std::int32_t, B> q;
+    if constexpr (W == G) {
+      q = widen_nibbles<B>(group + 4);
+    } else {
+      q = (widen_bytes<B, false>(group + 4 + at % (G / 2)) >> static_cast<int>(at / (G / 2) * 4)) & 15;
+    }
+    const auto [scale, min] = scale_and_min(group);
+    return __builtin_convertvector(q, Vec<float, B>) * scale + min;
+  }
+  static float value(const unit* row, std::size_t d) noexcept {
+    const unit* group = row + d / G * kGroupBytes;
+    const std::size_t at = d % G;
+    const auto [scale, min] = scale_and_min(group);
+    return static_cast<float>((group[4 + at % (G / 2)] >> (at / (G / 2) * 4)) & 15U) * scale + min;
+  }
+
+ private:
+  /// A float as an integer that orders as the float does (negative ones bit-flipped), and back.
+  static std::int32_t ordered(float x) noexcept {
+    const auto bits = std::bit_cast<std::int32_t>(x);
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF);
+  }
+  static float unordered(std::int32_t key) noexcept { return std::bit_cast<float>(key ^ ((key >> 31) & 0x7FFFFFFF)); }
+
+  struct ScaleAndMin {
+    float scale, min;
+  };
+  KVCACHE_ALWAYS_INLINE static ScaleAndMin scale_and_min(const unit* group) noexcept {
+#if defined(__F16C__)
+    std::int32_t both;
+    std::memcpy(&both, group, 4);
+    const __m128 wide = _mm_cvtph_ps(_mm_cvtsi32_si128(both));  // both halves in one instruction
+    return {_mm_cvtss_f32(wide), _mm_cvtss_f32(_mm_movehdup_ps(wide))};
+#else
+    std::uint16_t bits[2];
+    std::memcpy(bits, group, 4);
+    return {float_of_half_bits(bits[0]), float_of_half_bits(bits[1])};
+#endif
+  }
+};
+
+}  // namespace detail
+
+template <>
+struct storage_codec<fp8_e4m3> : detail::E4M3Rows {
+  static constexpr const char* name = "fp8_e4m3";
+
+  /// Stores in / scale with scale = amax / 448 (1 for a row of zeros, or of values so small that
+  /// amax / 448 is 0 in float: they store as zeros); returns scale. The largest value maps to
+  /// 448 itself, so nothing saturates.
+  template <class In>
+  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+    const float amax = std::bit_cast<float>(detail::max_magnitude_bits(in, head_dim));
+    const float scale = amax / detail::kE4M3Max > 0.0F ? amax / detail::kE4M3Max : 1.0F;
+    for (std::size_t d = 0; d < head_dim; ++d) {
+      // Divided, not multiplied by an inverse, which overflows for the smallest rows.
+      row[d] = detail::e4m3_of(static_cast<float>(detail::widen(in[d])) / scale);
+    }
+    return scale;
+  }
+};
+
+template <>
+struct storage_codec<fp8_e4m3_heads> : detail::E4M3Rows {
+  static constexpr const char* name = "fp8_e4m3_heads";
+  static constexpr bool head_scales = true;  // one scale per (layer, kv head), given to encode;
+                                             // segments repeat it for every row
+
+  /// The scale that maps a largest magnitude to E4M3's largest.
   static float scale_for(float amax) noexcept { return amax / detail::kE4M3Max; }
 
   /// Beyond this, rounding to nearest even would give more than 448 (up to it, 448 is nearest).
@@ -119,18 +261,6 @@ struct storage_codec<fp8_e4m3> {
     }
     return clipped;
   }
-  /// load gives the value times 2^-120: integer operations alone, which leave the vector
-  /// unit's multipliers to the dot products; the kernel puts 2^120 back in its scales.
-  static constexpr int load_exponent = 120;
-  template <std::size_t B>
-  KVCACHE_ALWAYS_INLINE static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
-    // Sign-extended, shifted so the exponent and mantissa sit in a float's place, the sign's
-    // copies masked off.
-    const auto wide = detail::widen_bytes<B, true>(row + d) << 20;
-    const auto bits = wide & static_cast<std::int32_t>(0x87F00000U);
-    return std::bit_cast<detail::Vec<float, B>>(bits);
-  }
-  static float value(const unit* row, std::size_t d) noexcept { return detail::float_of_e4m3(row[d]); }
 };
 
 template <>
@@ -163,92 +293,47 @@ struct storage_codec<int8_rows> {
 };
 
 template <>
-struct storage_codec<int4_groups> {
-  using unit = std::uint8_t;
-  using acc = float;
+struct storage_codec<int4_groups> : detail::Int4Groups<32> {
   static constexpr const char* name = "int4_groups";
-  static constexpr bool row_scales = false;  // the scales are inside the row, a pair a group
   static constexpr float max_magnitude = 65504.0F;
-  static constexpr std::size_t kGroup = 32;
-  // A group: half scale, half minimum, then 16 bytes whose low nibbles hold values 0-15 and
-  // high nibbles 16-31, so that a register's values come from one nibble of adjacent bytes.
-  static constexpr std::size_t kGroupBytes = 4 + kGroup / 2;
-  static constexpr std::size_t units(std::size_t head_dim) noexcept {
-    return (head_dim + kGroup - 1) / kGroup * kGroupBytes;
-  }
 
   template <class In>
   static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
     for (std::size_t g0 = 0; g0 < head_dim; g0 += kGroup) {
       const std::size_t n = std::min(kGroup, head_dim - g0);
-      // The group as floats, a short group padded with its first value (which moves neither
-      // end of its range); min and max through order-keeping integers, which vectorize.
       float x[kGroup];
       for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(detail::widen(in[g0 + i]));
-      for (std::size_t i = n; i < kGroup; ++i) x[i] = static_cast<float>(detail::widen(in[g0]));
-      std::int32_t lo_key = std::numeric_limits<std::int32_t>::max();
-      std::int32_t hi_key = std::numeric_limits<std::int32_t>::min();
-      for (std::size_t i = 0; i < kGroup; ++i) {
-        const std::int32_t key = ordered(x[i]);
-        lo_key = std::min(lo_key, key);
-        hi_key = std::max(hi_key, key);
-      }
-      const float lo = unordered(lo_key), hi = unordered(hi_key);
-      // The minimum rounded down and the step up, so that 0..15 still cover [lo, hi].
-      const std::uint16_t min_bits = detail::half_bits_toward(lo, false);
-      const float min = detail::float_of_half_bits(min_bits);
-      const std::uint16_t step_bits = detail::half_bits_toward((hi - min) / 15.0F, true);
-      const float step = detail::float_of_half_bits(step_bits);
-      const float divisor = step > 0.0F ? step : 1.0F;  // a step of 0: every value is min
-      std::uint8_t q[kGroup];
-      for (std::size_t i = 0; i < kGroup; ++i) {
-        q[i] = static_cast<std::uint8_t>(std::clamp(detail::round_even((x[i] - min) / divisor), 0.0F, 15.0F));
-      }
-      for (std::size_t i = n; i < kGroup; ++i) q[i] = 0;
-      unit* group = row + g0 / kGroup * kGroupBytes;
-      std::memcpy(group, &step_bits, 2);
-      std::memcpy(group + 2, &min_bits, 2);
-      for (std::size_t i = 0; i < kGroup / 2; ++i) group[4 + i] = static_cast<unit>(q[i] | (q[i + kGroup / 2] << 4));
+      encode_group(x, n, row + g0 / kGroup * kGroupBytes);
     }
     return 1.0F;
   }
-  template <std::size_t B>
-  KVCACHE_ALWAYS_INLINE static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
-    const unit* group = row + d / kGroup * kGroupBytes;
-    const std::size_t at = d % kGroup;  // registers of 4, 8 or 16 values never cross a group
-    const auto q = (detail::widen_bytes<B, false>(group + 4 + at % 16) >> static_cast<int>(at / 16 * 4)) & 15;
-    const auto [scale, min] = scale_and_min(group);
-    return __builtin_convertvector(q, detail::Vec<float, B>) * scale + min;
-  }
-  static float value(const unit* row, std::size_t d) noexcept {
-    const unit* group = row + d / kGroup * kGroupBytes;
-    const std::size_t at = d % kGroup;
-    const auto [scale, min] = scale_and_min(group);
-    return static_cast<float>((group[4 + at % 16] >> (at / 16 * 4)) & 15U) * scale + min;
-  }
+};
 
- private:
-  /// A float as an integer that orders as the float does (negative ones bit-flipped), and back.
-  static std::int32_t ordered(float x) noexcept {
-    const auto bits = std::bit_cast<std::int32_t>(x);
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF);
-  }
-  static float unordered(std::int32_t key) noexcept { return std::bit_cast<float>(key ^ ((key >> 31) & 0x7FFFFFFF)); }
+template <>
+struct storage_codec<int4_rotated> : detail::Int4Groups<16> {
+  static constexpr const char* name = "int4_rotated";
+  /// A rotated value is at most sqrt(256) = 16 times the input's largest: this keeps it, and its
+  /// group's range, within half precision's.
+  static constexpr float max_magnitude = 4000.0F;
 
-  struct ScaleAndMin {
-    float scale, min;
-  };
-  KVCACHE_ALWAYS_INLINE static ScaleAndMin scale_and_min(const unit* group) noexcept {
-#if defined(__F16C__)
-    std::int32_t both;
-    std::memcpy(&both, group, 4);
-    const __m128 wide = _mm_cvtph_ps(_mm_cvtsi32_si128(both));  // both halves in one instruction
-    return {_mm_cvtss_f32(wide), _mm_cvtss_f32(_mm_movehdup_ps(wide))};
-#else
-    std::uint16_t bits[2];
-    std::memcpy(bits, group, 4);
-    return {detail::float_of_half_bits(bits[0]), detail::float_of_half_bits(bits[1])};
-#endif
+  /// x := R x and its inverse: what attention applies to the queries and the output.
+  static void rotate(float* x, std::size_t head_dim) noexcept { detail::rotate_head(x, 0, head_dim, head_dim); }
+  static void unrotate(float* x, std::size_t head_dim) noexcept { detail::unrotate_head(x, 0, head_dim, head_dim); }
+
+  template <class In>
+  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+    // A chunk holds whole rotation blocks and whole groups (the block divides 16 or 16 divides it).
+    const std::size_t chunk = std::max(detail::rotation_block(head_dim), kGroup);
+    std::array<float, std::max(detail::kMaxRotationBlock, kGroup)> x;
+    for (std::size_t c0 = 0; c0 < head_dim; c0 += chunk) {
+      const std::size_t n = std::min(chunk, head_dim - c0);
+      for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(detail::widen(in[c0 + i]));
+      detail::rotate_head(x.data(), c0, n, head_dim);
+      for (std::size_t g = 0; g < n; g += kGroup) {
+        encode_group(x.data() + g, std::min(kGroup, n - g), row + (c0 + g) / kGroup * kGroupBytes);
+      }
+    }
+    return 1.0F;
   }
 };
 

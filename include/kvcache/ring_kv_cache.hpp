@@ -118,7 +118,6 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   void reset() noexcept {
     for (Layer& state : layers_) state.stored_end = state.oldest = 0;
     set_all_lengths(0);
-    reset_scales();
   }
 
   /// Every position the layer holds (sinks, ring, a staged chunk), without writing; attention
@@ -262,7 +261,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t length = check_update(layer, k, v, positions, capacity_);
-    const auto scales = prepare_update<T>(layer, k, v);
+    check_values<T>(layer, k, v);
     Layer& state = layers_[layer];
     const std::size_t tokens = k.tokens();
     // Writing position p overwrites p - ring: safe while that is older than the chunk's first
@@ -276,13 +275,13 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     std::size_t clipped = 0;
     if (direct) {
       write(state, length, tokens, [&](std::size_t from, std::size_t count, std::size_t slot) {
-        clipped += state.rows.encode(k, v, from, count, slot, head_scale_view(scales));
+        clipped += state.rows.encode(k, v, from, count, slot, head_scale_view(layer));
       });
     } else {
-      clipped = state.staging.rows.encode(k, v, 0, tokens, 0, head_scale_view(scales));
+      clipped = state.staging.rows.encode(k, v, 0, tokens, 0, head_scale_view(layer));
       std::copy(positions.begin(), positions.end(), state.staging.positions.begin());
     }
-    commit_update(layer, scales, clipped);
+    count_clipped(layer, clipped);
     set_length(layer, length + tokens);
     return history(state, state.segments, head_scale_view(layer), length, length + tokens);
   }

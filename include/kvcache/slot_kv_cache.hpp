@@ -37,8 +37,8 @@ namespace kvcache {
 ///   kvcache::causal_attention(q, positions, history, out);           // q [rows, H_q, T, D]
 ///   cache.release(row);                                              // it finished
 ///
-/// Formats with a scale per head (fp8_e4m3) share it across slots: give it in the config, or
-/// each layer's first update sets it.
+/// What a slot stores depends on its own sequence alone, in every format: a scale is per row,
+/// or (fp8_e4m3_heads) a static one per head that the config gives.
 template <class T>
 class SlotKvCache : public detail::CacheBase,
                     public detail::ComputeTypeUpdates<SlotKvCache<T>, T>,
@@ -180,7 +180,6 @@ class SlotKvCache : public detail::CacheBase,
   void reset() noexcept {
     std::fill(lengths_.begin(), lengths_.end(), 0);
     std::fill(acquired_.begin(), acquired_.end(), 0);
-    reset_scales();
   }
 
   /// Every slot's history in `layer` as update() returns it, without writing: batch row b reads
@@ -333,7 +332,7 @@ class SlotKvCache : public detail::CacheBase,
       detail::check_continues(row_call, positions.row(i), lengths_[at(layer, rows[i])], capacity_,
                               [&] { return "slot " + std::to_string(rows[i]) + " in layer " + std::to_string(layer); });
     }
-    const auto scales = prepare_update<T>(layer, k, v);
+    check_values<T>(layer, k, v);
 
     std::size_t clipped = 0;
     for (std::size_t i = 0; i < rows.size(); ++i) {
@@ -342,11 +341,11 @@ class SlotKvCache : public detail::CacheBase,
       const TensorView<const In> k_row(k.row(i, 0, 0), {1, k.heads(), k.tokens(), k.head_dim()}, k.strides());
       const TensorView<const In> v_row(v.row(i, 0, 0), {1, v.heads(), v.tokens(), v.head_dim()}, v.strides());
       std::size_t& length = lengths_[at(layer, row)];
-      clipped += rows_[layer].encode(k_row, v_row, 0, k.tokens(), length, head_scale_view(scales),
+      clipped += rows_[layer].encode(k_row, v_row, 0, k.tokens(), length, head_scale_view(layer),
                                      std::span<const std::size_t>(rows.data() + i, 1));
       length += k.tokens();
     }
-    commit_update(layer, scales, clipped);
+    count_clipped(layer, clipped);
     return view(views_[layer], layer, rows);
   }
 

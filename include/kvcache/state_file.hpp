@@ -60,12 +60,17 @@ namespace kvcache {
 struct StateInfo {
   std::uint32_t version = 0;
   std::string variant;  // the cache's name: "KvCache", "RingKvCache", "SlotKvCache", "PagedKvCache", ...
-  std::string format;   // the storage format's name: "float", "bfloat16", "fp8_e4m3", ...
-  /// The counts of the config the saved cache was built with (no head scales: the file brings
-  /// them), enough to build a cache that loads the file.
+  std::string format;   // the storage format's name: "float", "bfloat16", "fp8_e4m3", ... (a file written
+                        // while fp8_e4m3 kept a scale per head says "fp8_e4m3_heads": it loads there)
+  /// The counts of the config the saved cache was built with, enough to build a cache that
+  /// loads the file; a format with head scales (fp8_e4m3_heads) needs them too:
+  /// `info.config.key_scales = info.key_scales; info.config.value_scales = info.value_scales;`.
   KvCacheConfig config;
   std::vector<std::size_t> lengths;  // tokens held by each layer (0 for SlotKvCache: its rows' are its own)
   std::string metadata;              // the caller's string given to save_state
+  /// The K and V scales of every (layer, kv head) the file's rows were encoded with, layer-major,
+  /// for a format with head scales; empty for other formats.
+  std::vector<float> key_scales, value_scales;
 };
 
 namespace detail {
@@ -611,6 +616,9 @@ inline StateHead read_head(StateReader& in) {
   h.config.sinks = p.u64("sinks");
   h.config.slack = p.u64("slack");
   p.finish();
+  // Files written while fp8_e4m3 kept a scale per (layer, kv head) hold fp8_e4m3_heads' rows under
+  // that name (fp8_e4m3 now keeps a scale per row): they load into a cache of fp8_e4m3_heads.
+  if (h.format == "fp8_e4m3" && h.head_scales && !h.row_scales) h.format = "fp8_e4m3_heads";
   return h;
 }
 
@@ -670,7 +678,10 @@ inline StateInfo read_state_info(std::istream& in) {
   info.format = std::move(head.format);
   info.config = head.config;
   info.metadata = reader.section("META", detail::kWholeCache, detail::kMaxMetadataBytes).text();
-  info.lengths = detail::read_base(reader, head).lengths;
+  detail::StateBase base = detail::read_base(reader, head);
+  info.lengths = std::move(base.lengths);
+  info.key_scales = std::move(base.key_scales);
+  info.value_scales = std::move(base.value_scales);
   return info;
 }
 
@@ -732,7 +743,7 @@ struct StateAccess {
     out.section("BASE", kWholeCache, [&](PayloadWriter& p) {
       for (const std::size_t n : own.lengths_) p.u64(n);
       for (const std::size_t n : scales.clipped_) p.u64(n);
-      p.u8(scales.scales_given_);
+      p.u8(scales.scales_.empty() ? 0 : 1);  // head scales are given in the config
       for (const auto& l : scales.scales_) p.f32s(l.keys);
       for (const auto& l : scales.scales_) p.f32s(l.values);
     });
@@ -742,26 +753,26 @@ struct StateAccess {
   struct LoadedBase {
     std::vector<std::size_t> lengths;
     std::vector<CacheBase::LayerScales> scales;
-    bool scales_given = false;
     std::vector<std::size_t> clipped;
   };
-  /// Takes BASE's lengths and clipped counts; its head scales stay for the variant to read.
+  /// Takes BASE's lengths, clipped counts and head scales (the file's rows were encoded with
+  /// them); a head scale of 0, which a file of an earlier version keeps for a head no update
+  /// had set, leaves the cache's own.
   static LoadedBase load_base(const CacheBase& cache, StateBase& base) {
-    LoadedBase loaded{std::move(base.lengths), {}, base.scales_given, std::move(base.clipped)};
+    LoadedBase loaded{std::move(base.lengths), cache.scales_, std::move(base.clipped)};
     const std::size_t heads = cache.kv_heads();
-    const auto layer_of = [&](const std::vector<float>& all, std::size_t l) {
-      const auto first = all.begin() + static_cast<std::ptrdiff_t>(l * heads);
-      return std::vector<float>(first, first + static_cast<std::ptrdiff_t>(heads));
-    };
-    for (std::size_t l = 0; l < cache.scales_.size(); ++l) {
-      loaded.scales.push_back({layer_of(base.key_scales, l), layer_of(base.value_scales, l)});
+    for (std::size_t l = 0; l < loaded.scales.size(); ++l) {
+      for (std::size_t h = 0; h < heads; ++h) {
+        const float key = base.key_scales[l * heads + h], value = base.value_scales[l * heads + h];
+        if (key != 0.0F) loaded.scales[l].keys[h] = key;
+        if (value != 0.0F) loaded.scales[l].values[h] = value;
+      }
     }
     return loaded;
   }
   static void commit_base(CacheBase& cache, LoadedBase&& loaded) noexcept {
     cache.lengths_ = std::move(loaded.lengths);
     cache.scales_ = std::move(loaded.scales);
-    cache.scales_given_ = loaded.scales_given;
     cache.clipped_ = std::move(loaded.clipped);
   }
   [[nodiscard]] static bool holds_tokens(const CacheBase& cache) noexcept {

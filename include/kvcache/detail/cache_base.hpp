@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <span>
 #include <stdexcept>
@@ -52,13 +53,13 @@ class CacheBase {
   [[nodiscard]] std::size_t kv_heads() const noexcept { return geometry_.kv_heads; }
   [[nodiscard]] std::size_t head_dim() const noexcept { return geometry_.head_dim; }
 
-  /// Values that saturated on their way into a format with head scales (fp8_e4m3: beyond 448
-  /// times the head's scale), counted since construction; 0 for every other format.
+  /// Values that saturated on their way into a format with head scales (fp8_e4m3_heads: beyond
+  /// 448 times the head's scale), counted since construction; 0 for every other format.
   [[nodiscard]] std::size_t clipped() const noexcept {
     return std::accumulate(clipped_.begin(), clipped_.end(), std::size_t{0});
   }
-  /// The K (or V) scale of every (layer, kv head), layer-major, for formats with head scales
-  /// (0 where a head has seen no update yet); empty for other formats.
+  /// The K (or V) scale of every (layer, kv head), layer-major, for formats with head scales;
+  /// empty for other formats.
   [[nodiscard]] std::vector<float> head_scales(bool values) const {
     std::vector<float> all;
     for (const LayerScales& l : scales_)
@@ -69,22 +70,33 @@ class CacheBase {
  protected:
   friend struct StateAccess;
 
-  /// A layer's head scales: given in the config, or set from the layer's first update.
+  /// A layer's head scales, given in the config.
   struct LayerScales {
     std::vector<float> keys, values;
   };
 
-  /// Sets up the head scales of format T from the config: given (layers x kv_heads each,
-  /// positive and finite) or to be set by the first update. std::invalid_argument otherwise.
+  /// Sets up the head scales of format T from the config: required for formats with head
+  /// scales (layers x kv_heads each, positive and finite), refused for others.
+  /// std::invalid_argument otherwise.
   template <class T>
   void init_scales(const KvCacheConfig& config) {
     const auto check = [&](const char* field, std::span<const float> given) {
-      if (given.empty()) return;
       const std::string what = std::string(name_) + ": config." + field;
+      if (given.empty() && has_head_scales<T>) {
+        // What is stored for one sequence must not depend on another's values: the scale a
+        // whole cache shares is the engine's to give, never set by whichever update came first.
+        throw std::invalid_argument(expected_given(
+            what,
+            std::to_string(geometry_.layers * geometry_.kv_heads) + " scales (layers x kv_heads: " + format_name<T>() +
+                " keeps a static scale per (layer, kv head); kvcache::calibrate_head_scales finds them, and "
+                "fp8_e4m3 scales each row instead)",
+            "none"));
+      }
+      if (given.empty()) return;
       if (!has_head_scales<T>) {
-        throw std::invalid_argument(
-            expected_given(what, "empty (" + std::string(format_name<T>()) + " keeps no scale per head; fp8_e4m3 does)",
-                           std::to_string(given.size()) + " scales"));
+        throw std::invalid_argument(expected_given(
+            what, "empty (" + std::string(format_name<T>()) + " keeps no scale per head; fp8_e4m3_heads does)",
+            std::to_string(given.size()) + " scales"));
       }
       if (given.size() != geometry_.layers * geometry_.kv_heads) {
         throw std::invalid_argument(expected_given(what, geometry_.layers * geometry_.kv_heads, given.size()) +
@@ -99,16 +111,10 @@ class CacheBase {
     };
     check("key_scales", config.key_scales);
     check("value_scales", config.value_scales);
-    if (config.key_scales.empty() != config.value_scales.empty()) {
-      throw std::invalid_argument(
-          std::string(name_) + ": config.key_scales and value_scales: expected both given or both empty, given " +
-          std::to_string(config.key_scales.size()) + " and " + std::to_string(config.value_scales.size()));
-    }
     if constexpr (has_head_scales<T>) {
-      scales_given_ = !config.key_scales.empty();
       scales_.assign(geometry_.layers, LayerScales{std::vector<float>(geometry_.kv_heads, 0.0F),
                                                    std::vector<float>(geometry_.kv_heads, 0.0F)});
-      for (std::size_t l = 0; l < geometry_.layers && scales_given_; ++l) {
+      for (std::size_t l = 0; l < geometry_.layers; ++l) {
         const std::size_t at = l * geometry_.kv_heads;
         std::copy_n(config.key_scales.begin() + static_cast<std::ptrdiff_t>(at), geometry_.kv_heads,
                     scales_[l].keys.begin());
@@ -118,53 +124,23 @@ class CacheBase {
     }
   }
 
-  /// What an update of `layer` will encode with: its head scales, those not yet set taken from
-  /// this update's largest magnitudes. Checks every value for formats that refuse some
+  /// Checks every value of an update of `layer` for formats that refuse some
   /// (std::invalid_argument naming the layer, head and token). Changes nothing.
   template <class T, class In>
-  [[nodiscard]] LayerScales prepare_update(std::size_t layer, const TensorView<const In>& k,
-                                           const TensorView<const In>& v) const {
-    LayerScales next;
-    if constexpr (has_head_scales<T>) next = scales_[layer];
-    if constexpr (checks_input<T> || has_head_scales<T>) {
-      std::vector<float> key_amax(geometry_.kv_heads, 0.0F), value_amax(geometry_.kv_heads, 0.0F);
-      scan_values<T>(layer, "k", k, key_amax);
-      scan_values<T>(layer, "v", v, value_amax);
-      if constexpr (has_head_scales<T>) {
-        for (std::size_t h = 0; h < geometry_.kv_heads; ++h) {
-          if (next.keys[h] == 0.0F) next.keys[h] = storage_codec<T>::scale_for(key_amax[h]);
-          if (next.values[h] == 0.0F) next.values[h] = storage_codec<T>::scale_for(value_amax[h]);
-        }
-      }
+  void check_values(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v) const {
+    if constexpr (checks_input<T>) {
+      scan_values<T>(layer, "k", k);
+      scan_values<T>(layer, "v", v);
     }
-    return next;
   }
 
-  /// Keeps the scales an update of `layer` encoded with and counts its saturated values.
-  void commit_update(std::size_t layer, const LayerScales& used, std::size_t clipped) noexcept {
-    if (!scales_.empty()) {
-      std::copy(used.keys.begin(), used.keys.end(), scales_[layer].keys.begin());
-      std::copy(used.values.begin(), used.values.end(), scales_[layer].values.begin());
-    }
-    clipped_[layer] += clipped;
-  }
+  /// Counts the values an update of `layer` saturated.
+  void count_clipped(std::size_t layer, std::size_t clipped) noexcept { clipped_[layer] += clipped; }
 
   /// A layer's head scales as segments read them (null for formats without).
   [[nodiscard]] HeadScaleView head_scale_view(std::size_t layer) const noexcept {
     if (scales_.empty()) return {};
     return {scales_[layer].keys.data(), scales_[layer].values.data()};
-  }
-  [[nodiscard]] static HeadScaleView head_scale_view(const LayerScales& s) noexcept {
-    return {s.keys.empty() ? nullptr : s.keys.data(), s.values.empty() ? nullptr : s.values.data()};
-  }
-
-  /// Forgets the scales set by updates (not those given in the config), for reset().
-  void reset_scales() noexcept {
-    if (scales_given_) return;
-    for (LayerScales& l : scales_) {
-      std::fill(l.keys.begin(), l.keys.end(), 0.0F);
-      std::fill(l.values.begin(), l.values.end(), 0.0F);
-    }
   }
 
   /// Bytes of the head scales.
@@ -181,7 +157,6 @@ class CacheBase {
         geometry_(other.geometry_),
         lengths_(std::move(other.lengths_)),
         scales_(std::move(other.scales_)),
-        scales_given_(other.scales_given_),
         clipped_(std::move(other.clipped_)) {
     other.forget_layers();
   }
@@ -191,7 +166,6 @@ class CacheBase {
       geometry_ = other.geometry_;
       lengths_ = std::move(other.lengths_);
       scales_ = std::move(other.scales_);
-      scales_given_ = other.scales_given_;
       clipped_ = std::move(other.clipped_);
       other.forget_layers();
     }
@@ -233,11 +207,9 @@ class CacheBase {
     clipped_.clear();
   }
 
-  /// Checks every value of k (or v) where format T refuses some, and finds each head's largest
-  /// magnitude.
+  /// Checks every value of k (or v) where format T refuses some.
   template <class T, class In>
-  void scan_values(std::size_t layer, const char* which, const TensorView<const In>& x,
-                   std::vector<float>& amax) const {
+  void scan_values(std::size_t layer, const char* which, const TensorView<const In>& x) const {
     for (std::size_t b = 0; b < x.batch(); ++b) {
       for (std::size_t h = 0; h < x.heads(); ++h) {
         for (std::size_t t = 0; t < x.tokens(); ++t) {
@@ -245,24 +217,20 @@ class CacheBase {
           // A row's largest magnitude as float bits (NaN's above infinity's): one pass that
           // vectorizes; the value to name is looked for only when one is refused.
           const std::uint32_t top = max_magnitude_bits(row, x.head_dim());
-          bool bad = false;
-          if constexpr (checks_input<T>) bad = top > std::bit_cast<std::uint32_t>(storage_codec<T>::max_magnitude);
-          amax[h] = std::max(amax[h], std::bit_cast<float>(std::min<std::uint32_t>(top, 0x7F800000U)));
-          if constexpr (checks_input<T>) {
-            for (std::size_t d = 0; bad && d < x.head_dim(); ++d) {
-              const auto value = static_cast<float>(widen(row[d]));
-              if (std::fabs(value) <= storage_codec<T>::max_magnitude) continue;
-              throw std::invalid_argument(
-                  expected_given(std::string(name_) + "::update: layer " + std::to_string(layer) + ", " + which +
-                                     "[batch row " + std::to_string(b) + ", kv head " + std::to_string(h) + ", token " +
-                                     std::to_string(t) + ", index " + std::to_string(d) + "]",
-                                 std::string("a finite value") +
-                                     (storage_codec<T>::max_magnitude < std::numeric_limits<float>::max()
-                                          ? " of magnitude <= " + std::to_string(storage_codec<T>::max_magnitude)
-                                          : std::string()) +
-                                     " (" + format_name<T>() + " stores no other)",
-                                 std::to_string(value)));
-            }
+          if (top <= std::bit_cast<std::uint32_t>(storage_codec<T>::max_magnitude)) continue;
+          for (std::size_t d = 0; d < x.head_dim(); ++d) {
+            const auto value = static_cast<float>(widen(row[d]));
+            if (std::fabs(value) <= storage_codec<T>::max_magnitude) continue;
+            throw std::invalid_argument(
+                expected_given(std::string(name_) + "::update: layer " + std::to_string(layer) + ", " + which +
+                                   "[batch row " + std::to_string(b) + ", kv head " + std::to_string(h) + ", token " +
+                                   std::to_string(t) + ", index " + std::to_string(d) + "]",
+                               std::string("a finite value") +
+                                   (storage_codec<T>::max_magnitude < std::numeric_limits<float>::max()
+                                        ? " of magnitude <= " + std::to_string(storage_codec<T>::max_magnitude)
+                                        : std::string()) +
+                                   " (" + format_name<T>() + " stores no other)",
+                               std::to_string(value)));
           }
         }
       }
@@ -272,8 +240,7 @@ class CacheBase {
   std::string_view name_;  // a string literal: the variant's name for messages
   Geometry geometry_;
   std::vector<std::size_t> lengths_;
-  std::vector<LayerScales> scales_;  // per layer, for formats with head scales
-  bool scales_given_ = false;
+  std::vector<LayerScales> scales_;   // per layer, for formats with head scales
   std::vector<std::size_t> clipped_;  // per layer, so that updates of distinct layers write apart
 };
 

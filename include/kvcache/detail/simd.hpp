@@ -158,6 +158,30 @@ KVCACHE_ALWAYS_INLINE inline Vec<std::int32_t, B> widen_bytes(const void* p) noe
   return __builtin_convertvector(load<Bytes>(p), Vec<std::int32_t, B>);
 }
 
+/// A register of 32-bit integers from the B / 8 bytes at p, each holding two 4-bit values:
+/// lanes [0, B / 8) are the bytes' low nibbles, lanes [B / 8, B / 4) their high nibbles.
+template <std::size_t B>
+KVCACHE_ALWAYS_INLINE inline Vec<std::int32_t, B> widen_nibbles(const void* p) noexcept {
+  static_assert(B >= 32, "widen_nibbles: registers of at least 8 lanes (4 bytes in)");
+  constexpr std::size_t W = B / 4;
+  using Ints = Vec<std::int32_t, B>;
+  Ints shift;
+  for (std::size_t i = 0; i < W; ++i) shift[i] = i < W / 2 ? 0 : 4;
+#if defined(__AVX512F__)
+  if constexpr (B == 64) {
+    // The 8 bytes twice in one register, widened by one extending load.
+    const __m128i half = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+    const __m512i wide = _mm512_maskz_cvtepu8_epi32(static_cast<__mmask16>(0xFFFF), _mm_unpacklo_epi64(half, half));
+    return (std::bit_cast<Ints>(wide) >> shift) & 15;
+  }
+#endif
+  using Half = Vec<std::uint8_t, W / 2>;
+  const Half half = load<Half>(p);
+  Vec<std::uint8_t, W> both;
+  for (std::size_t i = 0; i < W; ++i) both[i] = half[i % (W / 2)];
+  return (__builtin_convertvector(both, Ints) >> shift) & 15;
+}
+
 /// A register of floats from one of half-precision bit patterns, exactly: F16C where the
 /// build has it, else integer operations and one multiply.
 template <std::size_t B>
