@@ -50,7 +50,9 @@ void repair(std::string& file) {
 /// Where each section starts, by its tag, and where HEAD ends.
 struct Layout {
   std::size_t head_end = 0;
+  std::size_t base_end = 0;
   std::size_t page = 0;  // PAGE's start, 0 if none
+  std::string format;    // the format HEAD names
 };
 Layout layout(const std::string& file) {
   Layout out;
@@ -60,7 +62,15 @@ Layout layout(const std::string& file) {
     const std::size_t rest = file.size() - at - 16;
     if (bytes > rest || rest - bytes < 4) break;
     const std::size_t end = at + 16 + static_cast<std::size_t>(bytes) + 4;
-    if (file.compare(at, 4, "HEAD") == 0) out.head_end = end;
+    if (file.compare(at, 4, "HEAD") == 0) {
+      out.head_end = end;
+      // The variant and the format, each a u32 length and its characters.
+      std::uint32_t variant = 0, format = 0;
+      if (bytes >= 8) std::memcpy(&variant, file.data() + at + 16, 4);
+      if (bytes >= 8 + std::uint64_t{variant}) std::memcpy(&format, file.data() + at + 20 + variant, 4);
+      if (bytes >= 8 + std::uint64_t{variant} + format) out.format = file.substr(at + 24 + variant, format);
+    }
+    if (file.compare(at, 4, "BASE") == 0) out.base_end = end;
     if (file.compare(at, 4, "PAGE") == 0) out.page = at;
     at = end;
   }
@@ -212,13 +222,15 @@ void run(const Config& config, std::uint8_t flags, std::string& file, const std:
   }
 
   // Saved again, it is the file (HEAD aside: the capacity is the cache's own; a paged
-  // sequence's BASE aside: its scales and clipped count are its pool's).
+  // sequence's BASE aside: its scales and clipped count are its pool's; and the BASE of a file
+  // written while fp8_e4m3 kept head scales, which may say they were not given).
   std::ostringstream out;
   save_state(cache, out, metadata);
   const std::string again = std::move(out).str();
   const Layout from = layout(file), to = layout(again);
-  const std::size_t from_at = V == Variant::paged ? from.page : from.head_end;
-  const std::size_t to_at = V == Variant::paged ? to.page : to.head_end;
+  const bool renamed = from.format != to.format;
+  const std::size_t from_at = V == Variant::paged ? from.page : renamed ? from.base_end : from.head_end;
+  const std::size_t to_at = V == Variant::paged ? to.page : renamed ? to.base_end : to.head_end;
   require(to_at != 0 && from_at != 0 && to_at <= again.size(), "the sections of a loaded file");
   const std::size_t n = again.size() - to_at;
   require(file.size() - from_at >= n && file.compare(from_at, n, again, to_at, n) == 0,
