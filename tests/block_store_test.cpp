@@ -88,8 +88,8 @@ TEST(BlockKeys, ChangeWithEverythingTheNamespaceCoversAndWithThePrefix) {
       detail::block_space<float>("qwen3-0.6b", 4, 3, 2, 8, {}, {}),
       detail::block_space<float>("qwen3-0.6b", 4, 2, 1, 8, {}, {}),
       detail::block_space<float>("qwen3-0.6b", 4, 2, 2, 16, {}, {}),
-      detail::block_space<fp8_e4m3>("qwen3-0.6b", 4, 2, 2, 8, scales, scales),
-      detail::block_space<fp8_e4m3>("qwen3-0.6b", 4, 2, 2, 8, scales, other_scales),
+      detail::block_space<fp8_e4m3_heads>("qwen3-0.6b", 4, 2, 2, 8, scales, scales),
+      detail::block_space<fp8_e4m3_heads>("qwen3-0.6b", 4, 2, 2, 8, scales, other_scales),
   };
   std::vector<std::string> seen;
   for (const detail::BlockSpace& space : spaces) {

@@ -519,7 +519,8 @@ void expect_only_on_an_empty_sequence(const Make& make) {
 }
 
 /// Every storage format, for the typed suites of the scenarios above.
-using StoreFormats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
+using StoreFormats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, fp8_e4m3_heads, int8_rows,
+                                      int4_groups, int4_rotated>;
 struct StoreFormatName {
   template <class T>
   static std::string GetName(int) {
