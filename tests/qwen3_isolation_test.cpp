@@ -253,8 +253,9 @@ TYPED_TEST(RequestIsolation, EverySequenceOfAPoolGetsItsLogitsAloneBitForBit) {
       }
       const std::size_t n = fed[i] < r.prompt ? r.prompt - fed[i] : 1;
       const auto tokens = std::span(r.tokens).subspan(fed[i], n);
+      // A generated token's id before it is fed, so that the blocks it fills are keyed.
+      if (reuse && fed[i] >= r.prompt) seqs[i]->add_token_ids(tokens);
       append(logits[i], model().forward(tokens, *seqs[i]));
-      if (reuse && fed[i] >= r.prompt) seqs[i]->add_token_ids(tokens);  // so that full blocks are keyed
       fed[i] += n;
       blocks[i].insert(seqs[i]->block_table().begin(), seqs[i]->block_table().end());
       if (fed[i] == r.tokens.size()) seqs[i]->reset();  // its blocks go back to the pool
