@@ -87,37 +87,64 @@ TYPED_TEST(Protocol, UpdateReturnsEveryTokenWithItsPositionAfterPrefillChunkAndD
 }
 
 TYPED_TEST(Protocol, WhatARowStoresAndAttendsDependsOnItsOwnValuesAlone) {
-  // Nothing is shared between batch rows: row 0 stores and attends the same whatever row 1
-  // holds, however much larger (a scale per head shared by the rows would not).
-  if constexpr (TestFixture::batch < 2) {
-    GTEST_SKIP() << "a paged sequence is one row: qwen3_isolation_test serves several in one pool";
-  } else {
-    using E = typename TestFixture::In;
-    constexpr std::size_t B = TestFixture::batch, H = TestFixture::kv_heads, D = TestFixture::head_dim;
-    auto alike = this->make();
-    auto other = this->make();
-    std::uint64_t seed = 70;
-    for (const std::size_t tokens : {4U, 1U, 3U, 1U}) {
-      const Block<E> k({B, H, tokens, D}, seed++), v({B, H, tokens, D}, seed++), q({B, 2 * H, tokens, D}, seed++);
-      Block<E> k_other = k, v_other = v;
-      for (std::size_t h = 0; h < H; ++h)
-        for (std::size_t t = 0; t < tokens; ++t)
-          for (std::size_t d = 0; d < D; ++d) {
-            k_other.mutable_view()(1, h, t, d) = static_cast<E>(1000.0F * static_cast<float>(v.view()(1, h, t, d)));
-            v_other.mutable_view()(1, h, t, d) = static_cast<E>(-500.0F * static_cast<float>(k.view()(1, h, t, d)));
-          }
-      const auto positions = arange(layer_length(alike, 0), tokens);
-      for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) {
-        const auto a = alike.update(layer, k.view(), v.view(), positions);
-        const auto b = other.update(layer, k_other.view(), v_other.view(), positions);
-        EXPECT_EQ(flatten_row(a, 0), flatten_row(b, 0)) << "layer " << layer;
+  // Nothing is shared between batch rows, nor between the sequences of a pool: row 0 stores and
+  // attends the same whatever row 1 (a paged sequence's neighbour in its pool) holds, however
+  // much larger (a scale per head shared by them would not).
+  using Stored = typename TestFixture::T;
+  using E = typename TestFixture::In;
+  constexpr std::size_t B = 2, H = TestFixture::kv_heads, D = TestFixture::head_dim;
+  constexpr bool paged = is_paged<TypeParam>;
+  const auto row = [](const Block<E>& block, std::size_t b) {  // batch row b as a batch of one
+    const Shape& s = block.shape;
+    return TensorView<const E>(block.data.data() + b * (s.size() / s.batch), {1, s.heads, s.tokens, s.head_dim});
+  };
+  const KvCacheConfig config = test_config<Stored>(
+      {.layers = TestFixture::layers, .kv_heads = H, .head_dim = D, .capacity = TestFixture::capacity});
+  const BlockPoolConfig pool_config{.layers = config.layers,
+                                    .kv_heads = config.kv_heads,
+                                    .head_dim = config.head_dim,
+                                    .block_tokens = kPooledBlockTokens,
+                                    .blocks = 2 * (TestFixture::capacity / kPooledBlockTokens + 1),
+                                    .capacity = config.capacity,
+                                    .key_scales = config.key_scales,
+                                    .value_scales = config.value_scales};
+  // Paged: `alike` alone in its pool; `other` shares its pool with `neighbour`, which stores the
+  // larger row 1 just before `other` stores row 0. Otherwise the rows of one batch.
+  BlockPool<Stored> pool_alone(pool_config), pool_shared(pool_config);
+  PagedKvCache<Stored> neighbour(pool_shared);
+  auto alike = this->make();
+  auto other = this->make();
+  PagedKvCache<Stored> alike_seq(pool_alone), other_seq(pool_shared);
+  std::uint64_t seed = 70;
+  for (const std::size_t tokens : {4U, 1U, 3U, 1U}) {
+    const Block<E> k({B, H, tokens, D}, seed++), v({B, H, tokens, D}, seed++), q({B, 2 * H, tokens, D}, seed++);
+    Block<E> k_other = k, v_other = v;
+    for (std::size_t h = 0; h < H; ++h)
+      for (std::size_t t = 0; t < tokens; ++t)
+        for (std::size_t d = 0; d < D; ++d) {
+          k_other.mutable_view()(1, h, t, d) = static_cast<E>(1000.0F * static_cast<float>(v.view()(1, h, t, d)));
+          v_other.mutable_view()(1, h, t, d) = static_cast<E>(-500.0F * static_cast<float>(k.view()(1, h, t, d)));
+        }
+    const auto positions = arange(paged ? alike_seq.length(0) : layer_length(alike, 0), tokens);
+    for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) {
+      History<Stored> a, b;
+      if constexpr (paged) {
+        a = alike_seq.update(layer, row(k, 0), row(v, 0), positions);
+        const auto beside = flatten_row(neighbour.update(layer, row(k_other, 1), row(v_other, 1), positions), 0);
+        b = other_seq.update(layer, row(k, 0), row(v, 0), positions);
+        EXPECT_NE(flatten_row(a, 0), beside) << "layer " << layer;  // the sequences do differ
+      } else {
+        a = alike.update(layer, k.view(), v.view(), positions);
+        b = other.update(layer, k_other.view(), v_other.view(), positions);
         EXPECT_NE(flatten_row(a, 1), flatten_row(b, 1)) << "layer " << layer;  // the rows do differ
-        std::vector<E> out_a(q.data.size()), out_b(q.data.size());
-        causal_attention(q.view(), positions, a, TensorView<E>(out_a.data(), q.shape), {.threads = 1});
-        causal_attention(q.view(), positions, b, TensorView<E>(out_b.data(), q.shape), {.threads = 1});
-        const std::size_t row = q.data.size() / B;  // batch row 0's outputs come first
-        EXPECT_EQ(std::memcmp(out_a.data(), out_b.data(), row * sizeof(E)), 0) << "layer " << layer;
       }
+      EXPECT_EQ(flatten_row(a, 0), flatten_row(b, 0)) << "layer " << layer;
+      const TensorView<const E> queries = paged ? row(q, 0) : q.view();
+      std::vector<E> out_a(queries.shape().size()), out_b(queries.shape().size());
+      causal_attention(queries, positions, a, TensorView<E>(out_a.data(), queries.shape()), {.threads = 1});
+      causal_attention(queries, positions, b, TensorView<E>(out_b.data(), queries.shape()), {.threads = 1});
+      const std::size_t first_row = q.data.size() / B;  // batch row 0's outputs come first
+      EXPECT_EQ(std::memcmp(out_a.data(), out_b.data(), first_row * sizeof(E)), 0) << "layer " << layer;
     }
   }
 }
