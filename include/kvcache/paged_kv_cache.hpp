@@ -686,8 +686,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     for (std::size_t done = 0; done < tokens;) {
       const std::size_t at = start + done;
       const std::size_t n = std::min(tokens - done, b - at % b);
-      clipped +=
-          pool_->rows_[layer].encode(k, v, done, n, table_[at / b] * b + at % b, pool_->head_scale_view(layer));
+      clipped += pool_->rows_[layer].encode(k, v, done, n, table_[at / b] * b + at % b, pool_->head_scale_view(layer));
       const std::size_t known = std::min(n, ids_.size() - std::min(ids_.size(), at));
       pool_->record_ids(table_[at / b], at % b, n,
                         std::span<const TokenId>(ids_).subspan(std::min(at, ids_.size()), known));
