@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// The error budget of every storage format (the chapter's experiment): each shape of
-// qwen3::budget_shapes() fed 64 + 1,000 fixed token ids teacher-forced, in both feeds (a prompt
-// then a token a step; every token alone), through a cache of each format; the 1,000 steps'
-// logits against the float and the bfloat16 caches' by the largest |dlogit|, the mean KL
+// The error budget of every storage format (the chapter's experiment): the tiny, d48 and qwen3
+// shapes of qwen3::budget_shapes() fed 64 + 1,000 fixed token ids teacher-forced, in both feeds
+// (a prompt then a token a step; every token alone), through a cache of each format; the 1,000
+// steps' logits against the float and the bfloat16 caches' by the largest |dlogit|, the mean KL
 // divergence and top-1 agreement. Each format is held to a budget per shape set from its
 // measurement (docs/quantization.md has the tables and how kvcache_error_budget reproduces
 // them); scales set the way fp8 once set them, and planted mistakes in fp8's codec, must break

@@ -33,7 +33,7 @@ constexpr const char* usage = R"(usage: kvcache_error_budget [options]
                 saturation: fp8_e4m3_heads with scales calibrated several ways (--shape's first);
                 bytes: bytes a row of every format at head sizes 16 to 256;
                 sizes: Qwen3-0.6B's cache at 32k tokens in every format
-  --shape S     tiny, d48, qwen3 or all (default all)
+  --shape S     tiny, d48, d64, qwen3 or all (default all)
   --feed F      prompt (the prompt in one update, then a token a step), token (every token
                 alone) or both (default both)
   --prompt P    tokens before the first step compared (default 64)

@@ -40,15 +40,19 @@ struct BudgetShape {
   Config config;
 };
 
-/// The shapes: the tests' tiny model (head size 32), one of head size 48 (multi-head, as small
-/// llama2.c checkpoints are), and a Qwen3-like one (head size 128, 8 query heads per 2 kv heads);
-/// the last two two layers deep, so that the budget test over 1,000 steps stays short.
+/// The shapes: the tests' tiny model (head size 32), multi-head ones of head size 48 and 64 (as
+/// small llama2.c checkpoints are), and a Qwen3-like one (head size 128, 8 query heads per 2 kv
+/// heads); the last three two layers deep, so that the budget test over 1,000 steps stays short
+/// (it runs tiny, d48 and qwen3).
 inline const std::vector<BudgetShape>& budget_shapes() {
   static const std::vector<BudgetShape> shapes = {
       {"tiny", "4 layers, hidden 128, 8 q / 2 kv heads x 32, MLP 384", Config{}},
       {"d48",
        "2 layers, hidden 192, 6 q / 6 kv heads x 48, MLP 512",
        {.vocab = 256, .hidden = 192, .layers = 2, .q_heads = 6, .kv_heads = 6, .head_dim = 48, .mlp = 512}},
+      {"d64",
+       "2 layers, hidden 256, 4 q / 4 kv heads x 64, MLP 512",
+       {.vocab = 256, .hidden = 256, .layers = 2, .q_heads = 4, .kv_heads = 4, .head_dim = 64, .mlp = 512}},
       {"qwen3",
        "2 layers, hidden 256, 8 q / 2 kv heads x 128, MLP 512",
        {.vocab = 256, .hidden = 256, .layers = 2, .q_heads = 8, .kv_heads = 2, .head_dim = 128, .mlp = 512}},
@@ -61,7 +65,7 @@ inline const BudgetShape& budget_shape(std::string_view name) {
   for (const BudgetShape& s : budget_shapes()) {
     if (name == s.name) return s;
   }
-  throw std::invalid_argument("qwen3::budget_shape: expected tiny, d48 or qwen3, given " + std::string(name));
+  throw std::invalid_argument("qwen3::budget_shape: expected tiny, d48, d64 or qwen3, given " + std::string(name));
 }
 
 /// Weights of `config` (seed 2024) with `outliers` > 0 scaling a few channels of K and V by that
