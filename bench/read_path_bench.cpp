@@ -15,7 +15,6 @@
 
 #include <benchmark/benchmark.h>
 
-#include <Eigen/Core>
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
@@ -124,8 +123,8 @@ void register_type(const char* name) {
 
 int main(int argc, char** argv) {
   register_type<float>("float");
-  register_type<Eigen::bfloat16>("bfloat16");
-  register_type<Eigen::half>("half");
+  register_type<kvcache::bfloat16>("bfloat16");
+  register_type<kvcache::half>("half");
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -2,12 +2,14 @@
 // The kernels attention_instances.hpp declares, compiled once for every test program.
 #include "attention_instances.hpp"
 
-template KVCACHE_ATTENTION_KERNEL(float);
-template KVCACHE_ATTENTION_KERNEL(double);
-template KVCACHE_ATTENTION_KERNEL(Eigen::half);
-template KVCACHE_ATTENTION_KERNEL(Eigen::bfloat16);
-template KVCACHE_ATTENTION_KERNEL(kvcache::fp8_e4m3);
-template KVCACHE_ATTENTION_KERNEL(kvcache::fp8_e4m3_heads);
-template KVCACHE_ATTENTION_KERNEL(kvcache::int8_rows);
-template KVCACHE_ATTENTION_KERNEL(kvcache::int4_groups);
-template KVCACHE_ATTENTION_KERNEL(kvcache::int4_rotated);
+KVCACHE_INSTANTIATE_ATTENTION(float);
+KVCACHE_INSTANTIATE_ATTENTION(double);
+KVCACHE_INSTANTIATE_ATTENTION(kvcache::half);
+KVCACHE_INSTANTIATE_ATTENTION(kvcache::bfloat16);
+KVCACHE_INSTANTIATE_ATTENTION(Eigen::half);
+KVCACHE_INSTANTIATE_ATTENTION(Eigen::bfloat16);
+KVCACHE_INSTANTIATE_ATTENTION(kvcache::fp8_e4m3);
+KVCACHE_INSTANTIATE_ATTENTION(kvcache::fp8_e4m3_heads);
+KVCACHE_INSTANTIATE_ATTENTION(kvcache::int8_rows);
+KVCACHE_INSTANTIATE_ATTENTION(kvcache::int4_groups);
+KVCACHE_INSTANTIATE_ATTENTION(kvcache::int4_rotated);

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The attention kernel for every storage format, compiled once (attention_instances.cpp) and
-// linked into every test program, instead of once in each: the kernel is most of what a test
-// file costs to compile. CMake includes this file ahead of each test file that uses the
-// baseline flags; the native copy of the attention suite compiles its own kernel.
+// linked into every test program, instead of once in each (KVCACHE_EXTERN_ATTENTION, as an
+// engine does): the kernel is most of what a test file costs to compile. CMake includes this file ahead of each test
+// file that uses the baseline flags; the native copy of the attention suite compiles its own kernel.
 #pragma once
 
 #include <Eigen/Core>
@@ -10,17 +10,14 @@
 #include "kvcache/attention.hpp"
 #include "kvcache/quantized.hpp"
 
-// What causal_attention<T, Q> runs for storage format T, whatever the query type Q.
-#define KVCACHE_ATTENTION_KERNEL(T)                                                                                 \
-  void kvcache::detail::attend_by_width<T>(const QueryRows<acc_type<T>>&, const History<T>&, const VisibilityRule&, \
-                                           acc_type<T>, const AttentionOptions&)
-
-extern template KVCACHE_ATTENTION_KERNEL(float);
-extern template KVCACHE_ATTENTION_KERNEL(double);
-extern template KVCACHE_ATTENTION_KERNEL(Eigen::half);
-extern template KVCACHE_ATTENTION_KERNEL(Eigen::bfloat16);
-extern template KVCACHE_ATTENTION_KERNEL(kvcache::fp8_e4m3);
-extern template KVCACHE_ATTENTION_KERNEL(kvcache::fp8_e4m3_heads);
-extern template KVCACHE_ATTENTION_KERNEL(kvcache::int8_rows);
-extern template KVCACHE_ATTENTION_KERNEL(kvcache::int4_groups);
-extern template KVCACHE_ATTENTION_KERNEL(kvcache::int4_rotated);
+KVCACHE_EXTERN_ATTENTION(float);
+KVCACHE_EXTERN_ATTENTION(double);
+KVCACHE_EXTERN_ATTENTION(kvcache::half);
+KVCACHE_EXTERN_ATTENTION(kvcache::bfloat16);
+KVCACHE_EXTERN_ATTENTION(Eigen::half);
+KVCACHE_EXTERN_ATTENTION(Eigen::bfloat16);
+KVCACHE_EXTERN_ATTENTION(kvcache::fp8_e4m3);
+KVCACHE_EXTERN_ATTENTION(kvcache::fp8_e4m3_heads);
+KVCACHE_EXTERN_ATTENTION(kvcache::int8_rows);
+KVCACHE_EXTERN_ATTENTION(kvcache::int4_groups);
+KVCACHE_EXTERN_ATTENTION(kvcache::int4_rotated);

@@ -5,7 +5,6 @@
 
 #include <gtest/gtest.h>
 
-#include <Eigen/Core>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -126,8 +125,8 @@ void expect_pages_read_as_one_segment(std::size_t dim, std::size_t keys, std::si
 
 TEST(KeyCursor, ThousandsOfSixteenTokenPagesReadAsOneSegment) {
   expect_pages_read_as_one_segment<float>(128, 32768, 16, 4, 0);
-  expect_pages_read_as_one_segment<Eigen::bfloat16>(128, 32768, 16, 1, 0);
-  expect_pages_read_as_one_segment<Eigen::half>(64, 5000, 7, 2, 1000);
+  expect_pages_read_as_one_segment<bfloat16>(128, 32768, 16, 1, 0);
+  expect_pages_read_as_one_segment<half>(64, 5000, 7, 2, 1000);
   expect_pages_read_as_one_segment<double>(32, 3000, 1, 2, 0);
 }
 

@@ -99,8 +99,9 @@ void decode_quantized(const kvcache_ab::DecodeCall& call) {
 template <class T>
 void decode(const kvcache_ab::DecodeCall& call) {
   const kvcache::Shape kv_shape{1, call.kv_heads, call.tokens, call.head_dim};
-  const kvcache::Segment<T> segment{kvcache::TensorView<const T>(static_cast<const T*>(call.keys), kv_shape),
-                                    kvcache::TensorView<const T>(static_cast<const T*>(call.values), kv_shape),
+  using Unit = typename kvcache::storage_codec<T>::unit;  // Eigen's 16-bit types are stored as kvcache's
+  const kvcache::Segment<T> segment{kvcache::TensorView<const Unit>(static_cast<const Unit*>(call.keys), kv_shape),
+                                    kvcache::TensorView<const Unit>(static_cast<const Unit*>(call.values), kv_shape),
                                     call.positions};
   const kvcache::History<T> history{std::span<const kvcache::Segment<T>>(&segment, 1)};
   const kvcache::Shape q_shape{1, call.q_heads, 1, call.head_dim};

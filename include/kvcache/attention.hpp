@@ -20,9 +20,11 @@
 #include "kvcache/codec.hpp"
 #include "kvcache/detail/attention_kernel.hpp"
 #include "kvcache/detail/checks.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// How causal_attention scores and masks, with designated initializers:
 ///
@@ -179,6 +181,22 @@ void with_rotated_queries(const TensorView<const Q>& q, const TensorView<Q>& out
 
 }  // namespace detail
 
+// The attention kernel of format T, compiled once for a whole engine: every translation unit
+// that calls causal_attention over a history of format T compiles T's kernel, most of what it
+// costs to compile. A header included everywhere declares it, one file compiles it:
+//
+//   KVCACHE_EXTERN_ATTENTION(kvcache::bfloat16);       // in the engine's header, at global scope
+//   KVCACHE_INSTANTIATE_ATTENTION(kvcache::bfloat16);  // in one .cpp file
+//
+// Whatever the query type, the kernel is one per storage format (and per -m flags: compile the
+// instance with the flags of the rest).
+#define KVCACHE_ATTENTION_KERNEL_OF(T)                                                                         \
+  void kvcache::detail::attend_by_width<T>(const kvcache::detail::QueryRows<kvcache::acc_type<T>>&,            \
+                                           const kvcache::History<T>&, const kvcache::detail::VisibilityRule&, \
+                                           kvcache::acc_type<T>, const kvcache::AttentionOptions&)
+#define KVCACHE_EXTERN_ATTENTION(T) extern template KVCACHE_ATTENTION_KERNEL_OF(T)
+#define KVCACHE_INSTANTIATE_ATTENTION(T) template KVCACHE_ATTENTION_KERNEL_OF(T)
+
 /// out[b, h, t] = softmax over the visible keys of q[b, h, t] . k / sqrt(D), times v.
 /// q, out: [B, H_q, T, D] in any compute type; q_positions: the T queries' absolute positions
 /// (shared by every batch row, or a list per row); history: what update() returned, [B, H_kv,
@@ -187,11 +205,15 @@ void with_rotated_queries(const TensorView<const Q>& q, const TensorView<Q>& out
 /// (int4_rotated) are read against queries rotated alike, and the output rotated back. Throws
 /// std::invalid_argument for mismatched shapes before writing anything.
 template <class T, class Q>
-void causal_attention(TensorView<const Q> q, const Positions& q_positions, const History<T>& history, TensorView<Q> out,
-                      const AttentionOptions& options = {}) {
+void causal_attention(TensorView<const Q> q, const PositionsArg& positions, const History<T>& history,
+                      TensorView<Q> out, const AttentionOptions& options = {}) {
   static_assert(!std::is_const_v<Q>, "causal_attention: out must be a mutable view (TensorView<float>, not const).");
-  static_assert(compute_type<Q>, "causal_attention: q and out hold float, double, Eigen::half or Eigen::bfloat16.");
+  static_assert(compute_type<Q>,
+                "causal_attention: q and out hold float, double, kvcache::half, kvcache::bfloat16, Eigen::half or "
+                "Eigen::bfloat16.");
   static_assert(storage_format<T>, "causal_attention: the history's format needs a storage_codec specialization.");
+  detail::require_complete<Q>();
+  const Positions& q_positions = positions.view();
   detail::check_attention(q, q_positions, history, out);
   using Acc = acc_type<T>;
   if (q.shape().size() == 0) return;
@@ -218,10 +240,11 @@ void causal_attention(TensorView<const Q> q, const Positions& q_positions, const
 
 /// causal_attention for a mutable q view, so TensorView<float> works without a cast.
 template <class T, class Q>
-requires(!std::is_const_v<Q>) void causal_attention(TensorView<Q> q, const Positions& q_positions,
+requires(!std::is_const_v<Q>) void causal_attention(TensorView<Q> q, const PositionsArg& q_positions,
                                                     const History<T>& history, TensorView<Q> out,
                                                     const AttentionOptions& options = {}) {
-  causal_attention(TensorView<const Q>(q), q_positions, history, out, options);
+  causal_attention(TensorView<const Q>(q), q_positions.view(), history, out, options);
 }
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

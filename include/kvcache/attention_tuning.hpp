@@ -3,7 +3,10 @@
 
 #include <cstddef>
 
+#include "kvcache/version.hpp"
+
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// What causal_attention leaves to the machine, with defaults that suit the processors it was
 /// measured on (docs/attention.md says how). Results never depend on these; only speed does.
@@ -19,4 +22,5 @@ struct AttentionTuning {
   std::size_t bytes_per_thread = std::size_t{1} << 20;
 };
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

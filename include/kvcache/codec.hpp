@@ -47,6 +47,7 @@
 #include <type_traits>
 
 #include "kvcache/detail/simd.hpp"
+#include "kvcache/float16.hpp"
 
 namespace Eigen {
 struct half;
@@ -54,6 +55,7 @@ struct bfloat16;
 }  // namespace Eigen
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// The codec of storage format T; specialize it to add a format.
 template <class T>
@@ -61,58 +63,44 @@ struct storage_codec;
 
 namespace detail {
 
-inline float float_of_bfloat16_bits(std::uint16_t bits) noexcept {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
-}
-
-inline float float_of_half_bits(std::uint16_t h) noexcept {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
-  const std::uint32_t magnitude = h & 0x7FFFU;
-  // As in widen_half: the magnitude's bits moved into a float's place are the value times 2^-112.
-  float value = std::bit_cast<float>(magnitude << 13) * 0x1p112F;
-  if (magnitude > 0x7BFFU) value = std::bit_cast<float>((magnitude << 13) | 0x7F800000U);  // inf, NaN
-  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(value) | sign);
-}
-
-/// float to bfloat16 bits, rounded to nearest even; NaN stays NaN.
-inline std::uint16_t bfloat16_bits_of(float x) noexcept {
-  const std::uint32_t bits = std::bit_cast<std::uint32_t>(x);
-  if ((bits & 0x7FFFFFFFU) > 0x7F800000U) return static_cast<std::uint16_t>((bits >> 16) | 0x40U);
-  return static_cast<std::uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
-}
-
-/// float to half bits, rounded to nearest even, overflowing to infinity; NaN stays NaN.
-inline std::uint16_t half_bits_of(float x) noexcept {
-  const std::uint32_t bits = std::bit_cast<std::uint32_t>(x);
-  const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000U);
-  const std::uint32_t magnitude = bits & 0x7FFFFFFFU;
-  if (magnitude > 0x7F800000U) return static_cast<std::uint16_t>(sign | 0x7E00U);
-  if (magnitude >= 0x477FF000U) return static_cast<std::uint16_t>(sign | 0x7C00U);  // rounds past 65504
-  if (magnitude < 0x38800000U) {
-    // Subnormal half: adding 0.5 makes the float's mantissa hold the half's bits, rounded to
-    // nearest even by the float addition itself.
-    const float shifted = std::bit_cast<float>(magnitude) + 0.5F;
-    return static_cast<std::uint16_t>(sign | (std::bit_cast<std::uint32_t>(shifted) - 0x3F000000U));
-  }
-  const std::uint32_t odd = (magnitude >> 13) & 1U;
-  const std::uint32_t rebased = magnitude - 0x38000000U + 0xFFFU + odd;  // exponent bias 127 -> 15
-  return static_cast<std::uint16_t>(sign | (rebased >> 13));
-}
-
+/// Whether T is a half type (kvcache's or Eigen's), or a bfloat16 type.
 template <class T>
-inline constexpr bool is_half = std::is_same_v<std::remove_cv_t<T>, Eigen::half>;
+inline constexpr bool is_half =
+    std::is_same_v<std::remove_cv_t<T>, half> || std::is_same_v<std::remove_cv_t<T>, Eigen::half>;
 template <class T>
-inline constexpr bool is_bfloat16 = std::is_same_v<std::remove_cv_t<T>, Eigen::bfloat16>;
+inline constexpr bool is_bfloat16 =
+    std::is_same_v<std::remove_cv_t<T>, bfloat16> || std::is_same_v<std::remove_cv_t<T>, Eigen::bfloat16>;
+
+/// Whether T is a complete type where this is first asked (Eigen's 16-bit types are declared
+/// here, and defined only where the engine includes <Eigen/Core>).
+template <class T>
+inline constexpr bool is_complete = requires {
+  sizeof(T);
+};
+
+/// Stops the build, naming the header to include, where Eigen's 16-bit types are used without
+/// <Eigen/Core>.
+template <class T>
+constexpr void require_complete() noexcept {
+  static_assert(!is_half<T> || is_complete<T>,
+                "kvcache: Eigen::half is an incomplete type here: #include <Eigen/Core> before using it "
+                "(kvcache::half needs no other header).");
+  static_assert(!is_bfloat16<T> || is_complete<T>,
+                "kvcache: Eigen::bfloat16 is an incomplete type here: #include <Eigen/Core> before using it "
+                "(kvcache::bfloat16 needs no other header).");
+}
 
 template <class T>
 inline std::uint16_t bits_of(const T& x) noexcept {
+  require_complete<T>();
   static_assert(sizeof(T) == 2, "a 16-bit value");
   std::uint16_t bits;
   std::memcpy(&bits, &x, 2);
   return bits;
 }
 
-/// An engine's value (float, double, Eigen::half, Eigen::bfloat16) as float (double as double).
+/// An engine's value (float, double, half or bfloat16, kvcache's or Eigen's) as float (double as
+/// double).
 template <class In>
 inline auto widen(const In& x) noexcept {
   if constexpr (is_half<In>) {
@@ -130,6 +118,7 @@ inline T narrow(F x) noexcept {
   if constexpr (is_half<T> || is_bfloat16<T>) {
     const float f = static_cast<float>(x);
     const std::uint16_t bits = is_half<T> ? half_bits_of(f) : bfloat16_bits_of(f);
+    require_complete<T>();
     T out;
     std::memcpy(static_cast<void*>(&out), &bits, 2);
     return out;
@@ -149,7 +138,8 @@ inline std::uint32_t max_magnitude_bits(const In* in, std::size_t n) noexcept {
   return top;
 }
 
-/// Rows of 16-bit floats (half or bfloat16): no scales, widened to float in registers.
+/// Rows of 16-bit floats (kvcache::half or kvcache::bfloat16): no scales, widened to float in
+/// registers.
 template <class T>
 struct SixteenBitCodec {
   using unit = T;
@@ -159,10 +149,15 @@ struct SixteenBitCodec {
 
   template <class In>
   static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
-    if constexpr (std::is_same_v<In, T>) {
-      std::memcpy(static_cast<void*>(row), in, head_dim * sizeof(T));  // a loop of Eigen's type copies lane by lane
+    if constexpr (is_half<In> == is_half<T> && is_bfloat16<In> == is_bfloat16<T>) {
+      std::memcpy(static_cast<void*>(row), in, head_dim * sizeof(T));  // the same bits, kvcache's or Eigen's
     } else {
-      for (std::size_t d = 0; d < head_dim; ++d) row[d] = narrow<T>(widen(in[d]));  // widening is exact: one rounding
+      // Stored as bits: a loop of stores of the 16-bit type would vectorize less well.
+      auto* bits = reinterpret_cast<std::uint16_t*>(row);
+      for (std::size_t d = 0; d < head_dim; ++d) {
+        const auto x = static_cast<float>(widen(in[d]));  // widening is exact: one rounding
+        bits[d] = is_half<T> ? half_bits_of(x) : bfloat16_bits_of(x);
+      }
     }
     return 1.0F;
   }
@@ -213,13 +208,19 @@ struct storage_codec<double> : detail::PlainCodec<double> {
   static constexpr const char* name = "double";
 };
 template <>
-struct storage_codec<Eigen::half> : detail::SixteenBitCodec<Eigen::half> {
+struct storage_codec<half> : detail::SixteenBitCodec<half> {
   static constexpr const char* name = "half";
 };
 template <>
-struct storage_codec<Eigen::bfloat16> : detail::SixteenBitCodec<Eigen::bfloat16> {
+struct storage_codec<bfloat16> : detail::SixteenBitCodec<bfloat16> {
   static constexpr const char* name = "bfloat16";
 };
+// Eigen's 16-bit types are stored as kvcache's (the same bits, the same codec and state files),
+// so that a cache of them needs <Eigen/Core> only where values of them are handed in.
+template <>
+struct storage_codec<Eigen::half> : storage_codec<half> {};
+template <>
+struct storage_codec<Eigen::bfloat16> : storage_codec<bfloat16> {};
 
 namespace detail {
 
@@ -254,7 +255,10 @@ inline constexpr bool checks_input = requires {
   storage_codec<T>::max_magnitude;
 };
 
-/// Format T's name for messages.
+}  // namespace detail
+
+/// Format T's name, for logs and messages: its codec's `name` ("bfloat16", "fp8_e4m3"; Eigen's
+/// 16-bit types have kvcache's), or "this format" for a codec without one.
 template <class T>
 constexpr const char* format_name() noexcept {
   if constexpr (requires { storage_codec<T>::name; }) {
@@ -263,8 +267,6 @@ constexpr const char* format_name() noexcept {
     return "this format";
   }
 }
-
-}  // namespace detail
 
 /// A storage format: a type with a complete storage_codec.
 template <class T>
@@ -275,7 +277,8 @@ concept storage_format = requires(std::size_t n) {
   { storage_codec<T>::row_scales } -> std::convertible_to<bool>;
 };
 
-/// A value type an engine computes in: float, double, Eigen::half or Eigen::bfloat16.
+/// A value type an engine computes in: float, double, kvcache::half, kvcache::bfloat16, or
+/// Eigen's half and bfloat16 (with <Eigen/Core> included).
 template <class In>
 concept compute_type =
     std::is_same_v<In, float> || std::is_same_v<In, double> || detail::is_half<In> || detail::is_bfloat16<In>;
@@ -294,4 +297,5 @@ using acc_type = typename storage_codec<T>::acc;
 template <class T>
 using default_input = std::conditional_t<std::is_same_v<acc_type<T>, double>, double, float>;
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

@@ -14,9 +14,11 @@
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/row_store.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// The baseline to measure against: every update allocates a new buffer and copies the whole
 /// history plus the new tokens into it (concatenate on every step), O(T) per token and O(N^2)
@@ -61,6 +63,26 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
     set_all_lengths(length);
   }
   void reset() noexcept { set_all_lengths(0); }
+
+  /// Reallocates each layer's K and V to what it holds (none for an empty layer), giving back
+  /// what a truncate() or reset() left: bytes() falls to the tokens held. std::bad_alloc leaves
+  /// the cache as it was.
+  void shrink_to_fit() {
+    std::vector<std::pair<std::size_t, Layer>> shrunk;
+    for (std::size_t l = 0; l < layers(); ++l) {
+      const std::size_t held = length(l);
+      if (layers_[l].rows.slots() == held) continue;
+      Layer fitted;
+      if (held != 0) {
+        fitted.rows = detail::RowStore<T>(batch(), kv_heads(), head_dim(), held, kPlain);
+        fitted.rows.copy(layers_[l].rows, 0, held, 0);
+        fitted.positions.assign(layers_[l].positions.begin(),
+                                layers_[l].positions.begin() + static_cast<std::ptrdiff_t>(held));
+      }
+      shrunk.emplace_back(l, std::move(fitted));
+    }
+    for (auto& [l, fitted] : shrunk) layers_[l] = std::move(fitted);  // nothing here throws
+  }
 
   /// The layer's history as update() returns it, without writing: [B, H_kv, length(layer), D]
   /// (no segment before the first update). Valid until the next mutating call on that layer;
@@ -134,4 +156,5 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
 
 static_assert(kv_cache_protocol<ConcatKvCache<float>>);
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

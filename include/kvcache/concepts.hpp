@@ -7,9 +7,11 @@
 #include <span>
 
 #include "kvcache/codec.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// The one protocol every cache variant follows. Model code is a template over it and never
 /// names a variant:
@@ -21,8 +23,8 @@ namespace kvcache {
 ///   }
 ///
 /// value_type is the stored format; In is the compute type the model hands k and v in (float
-/// by default, double for double storage): a KvCache<Eigen::bfloat16> is a
-/// kv_cache_protocol<KvCache<Eigen::bfloat16>, float>.
+/// by default, double for double storage): a KvCache<kvcache::bfloat16> is a
+/// kv_cache_protocol<KvCache<kvcache::bfloat16>, float>.
 template <class C, class In = default_input<typename C::value_type>>
 concept kv_cache_protocol = requires(C& cache, const C& view, std::size_t n, TensorView<const In> kv,
                                      Positions positions) {
@@ -53,4 +55,5 @@ concept row_cache_protocol = kv_cache_protocol<C, In> &&
   cache.truncate(n, n);
 };
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

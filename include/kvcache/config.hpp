@@ -8,7 +8,10 @@
 #include <string>
 #include <utility>
 
+#include "kvcache/version.hpp"
+
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 namespace detail {
 
@@ -27,9 +30,9 @@ concept CountInteger = std::integral<I> && !std::same_as<I, bool>;
 
 }  // namespace detail
 
-/// A count in KvCacheConfig: takes any integer type, so an engine's `int` fields go in braces
-/// without narrowing, and reads as std::size_t. A negative value throws std::invalid_argument
-/// naming the field and the value.
+/// A count in a config or a shape (Name: "KvCacheConfig.layers", "Shape.tokens"): takes any
+/// integer type, so an engine's `int`s go in braces without narrowing, and reads as
+/// std::size_t. A negative value throws std::invalid_argument naming the field and the value.
 template <detail::FieldName Name>
 class Count {
  public:
@@ -37,6 +40,9 @@ class Count {
 
   template <detail::CountInteger I>
   constexpr Count(I value) : value_(checked(value)) {}  // NOLINT(google-explicit-constructor)
+  /// Another field's count (a shape's head_dim as a stride, say).
+  template <detail::FieldName Other>
+  constexpr Count(Count<Other> other) noexcept : value_(other) {}  // NOLINT(google-explicit-constructor)
 
   constexpr operator std::size_t() const noexcept { return value_; }  // NOLINT(google-explicit-constructor)
 
@@ -44,8 +50,7 @@ class Count {
   template <std::integral I>
   static constexpr std::size_t checked(I value) {
     if (!std::in_range<std::size_t>(value)) {
-      throw std::invalid_argument(std::string("KvCacheConfig.") + Name.text + ": expected a count >= 0, given " +
-                                  std::to_string(value));
+      throw std::invalid_argument(std::string(Name.text) + ": expected a count >= 0, given " + std::to_string(value));
     }
     return static_cast<std::size_t>(value);
   }
@@ -63,14 +68,14 @@ class Count {
 /// the last `window` positions, the first `sinks` positions forever, and `slack` older
 /// positions so that truncate() can roll back that far after the ring has wrapped.
 struct KvCacheConfig {
-  Count<"layers"> layers = 0;
-  Count<"batch"> batch = 1;
-  Count<"kv_heads"> kv_heads = 0;
-  Count<"head_dim"> head_dim = 0;
-  Count<"capacity"> capacity = 0;
-  Count<"window"> window = 0;
-  Count<"sinks"> sinks = 0;
-  Count<"slack"> slack = 0;
+  Count<"KvCacheConfig.layers"> layers = 0;
+  Count<"KvCacheConfig.batch"> batch = 1;
+  Count<"KvCacheConfig.kv_heads"> kv_heads = 0;
+  Count<"KvCacheConfig.head_dim"> head_dim = 0;
+  Count<"KvCacheConfig.capacity"> capacity = 0;
+  Count<"KvCacheConfig.window"> window = 0;
+  Count<"KvCacheConfig.sinks"> sinks = 0;
+  Count<"KvCacheConfig.slack"> slack = 0;
   /// For formats with a static scale per (layer, kv head) (fp8_e4m3_heads), required: K and V
   /// scales, layers x kv_heads each, layer-major, copied at construction
   /// (kvcache::calibrate_head_scales finds them from a float run). Empty for every other format.
@@ -78,4 +83,5 @@ struct KvCacheConfig {
   std::span<const float> value_scales{};
 };
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

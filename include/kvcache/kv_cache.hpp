@@ -14,17 +14,20 @@
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/row_store.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// The default cache: K and V preallocated to `capacity` at construction, 64-byte aligned,
 /// [batch, kv_heads, capacity, head_dim] per layer, stored in format T (float, double,
-/// Eigen::half, Eigen::bfloat16, or any format with a storage_codec). It takes k and v in the
+/// kvcache::half, kvcache::bfloat16, Eigen's, a quantized format, or any format with a
+/// storage_codec; kvcache::storage_formats lists kvcache's). It takes k and v in the
 /// engine's compute type and rounds them into T once. An update copies only the new tokens and
 /// never reallocates, so a generation of N tokens costs O(N) copying in all.
 ///
-///   kvcache::KvCache<Eigen::bfloat16> cache({.layers = 4, .kv_heads = 2, .head_dim = 32, .capacity = 1024});
+///   kvcache::KvCache<kvcache::bfloat16> cache({.layers = 4, .kv_heads = 2, .head_dim = 32, .capacity = 1024});
 ///   for (std::size_t layer = 0; layer < cache.layers(); ++layer) {
 ///     auto history = cache.update(layer, k, v, positions);  // float k, v; positions continue cache.length()
 ///     kvcache::causal_attention(q, positions, history, out);
@@ -73,6 +76,13 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
   }
   void reset() noexcept { set_all_lengths(0); }
 
+  /// Gives the memory of the positions past each layer's length back to the system (whole pages;
+  /// Linux), which backs it again as later updates write there: after a reset() or a truncate,
+  /// for a cache kept for a later sequence. Addresses, capacity() and bytes() stay the same.
+  void shrink_to_fit() noexcept {
+    for (std::size_t l = 0; l < layers(); ++l) rows_[l].release(length(l), capacity_ - length(l));
+  }
+
   /// The layer's history as update() returns it, without writing: [B, H_kv, length(layer), D].
   /// Valid until the next mutating call on that layer; std::out_of_range for a bad layer.
   [[nodiscard]] History<T> history(std::size_t layer) {
@@ -119,4 +129,5 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
 
 static_assert(kv_cache_protocol<KvCache<float>>);
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

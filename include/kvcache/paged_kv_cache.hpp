@@ -22,24 +22,26 @@
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/row_store.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// How a BlockPool is sized, with designated initializers:
 ///
-///   kvcache::BlockPool<Eigen::bfloat16> pool({.layers = 28, .kv_heads = 8, .head_dim = 128, .blocks = 4096});
+///   kvcache::BlockPool<kvcache::bfloat16> pool({.layers = 28, .kv_heads = 8, .head_dim = 128, .blocks = 4096});
 ///
 /// `blocks` blocks of `block_tokens` tokens each, in every layer. `capacity` is the most tokens
 /// one sequence may reach (0: every block's worth). Scales as KvCacheConfig's, shared by every
 /// sequence of the pool.
 struct BlockPoolConfig {
-  Count<"layers"> layers = 0;
-  Count<"kv_heads"> kv_heads = 0;
-  Count<"head_dim"> head_dim = 0;
-  Count<"block_tokens"> block_tokens = 16;
-  Count<"blocks"> blocks = 0;
-  Count<"capacity"> capacity = 0;
+  Count<"BlockPoolConfig.layers"> layers = 0;
+  Count<"BlockPoolConfig.kv_heads"> kv_heads = 0;
+  Count<"BlockPoolConfig.head_dim"> head_dim = 0;
+  Count<"BlockPoolConfig.block_tokens"> block_tokens = 16;
+  Count<"BlockPoolConfig.blocks"> blocks = 0;
+  Count<"BlockPoolConfig.capacity"> capacity = 0;
   std::span<const float> key_scales{};
   std::span<const float> value_scales{};
 };
@@ -124,6 +126,24 @@ class BlockPool : private detail::CacheBase {
   /// Bytes of one block in every layer.
   [[nodiscard]] std::size_t block_bytes() const noexcept {
     return blocks_ == 0 ? 0 : (bytes() - scale_bytes()) / blocks_;
+  }
+
+  /// Gives the memory of the free blocks that hold no reusable prefix (never keyed, or rewritten)
+  /// back to the system (whole pages; Linux): what finished sequences held stops being resident
+  /// until a sequence takes those blocks again. Keyed free blocks keep their rows for
+  /// reuse_prefix; addresses and bytes() stay the same.
+  void shrink_to_fit() noexcept {
+    const auto unkeyed_free = [&](std::size_t b) { return meta_[b].count == 0 && !meta_[b].keyed; };
+    for (std::size_t first = 0; first < blocks_;) {  // runs of consecutive blocks, whose pages join
+      if (!unkeyed_free(first)) {
+        ++first;
+        continue;
+      }
+      std::size_t end = first + 1;
+      while (end < blocks_ && unkeyed_free(end)) ++end;
+      for (auto& r : rows_) r.release(first * block_tokens_, (end - first) * block_tokens_);
+      first = end;
+    }
   }
 
   /// Checks the pool's bookkeeping against its sequences' block tables; std::logic_error
@@ -372,6 +392,12 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     keys_.resize(std::min(keys_.size(), length / block()));
     shrink_table();
   }
+  /// The pool's shrink_to_fit(): gives back the memory of its free blocks that hold no reusable
+  /// prefix (a sequence's own blocks go back to the pool as it truncates, resets or ends).
+  void shrink_to_fit() noexcept {
+    if (pool_ != nullptr) pool_->shrink_to_fit();
+  }
+
   /// Empties the sequence, giving back every block.
   void reset() noexcept {
     set_all_lengths(0);
@@ -855,4 +881,5 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
 
 static_assert(kv_cache_protocol<PagedKvCache<float>>);
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

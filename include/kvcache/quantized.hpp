@@ -37,8 +37,10 @@
 #include "kvcache/codec.hpp"
 #include "kvcache/detail/hadamard.hpp"
 #include "kvcache/detail/simd.hpp"
+#include "kvcache/version.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// FP8 E4M3 (OCP e4m3fn) with a scale per (token, kv head) row.
 struct fp8_e4m3 {};
@@ -337,4 +339,5 @@ struct storage_codec<int4_rotated> : detail::Int4Groups<16> {
   }
 };
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

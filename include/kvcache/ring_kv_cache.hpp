@@ -19,9 +19,11 @@
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/row_store.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// Sliding-window cache: keeps the last `window` positions, the first `sinks` positions forever
 /// (attention sinks), and `slack` positions older than the window so that truncate() can roll
@@ -115,9 +117,32 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     set_all_lengths(length);
   }
 
+  /// Empties every layer and gives back the staging areas long chunks grew.
   void reset() noexcept {
-    for (Layer& state : layers_) state.stored_end = state.oldest = 0;
+    for (Layer& state : layers_) {
+      state.stored_end = state.oldest = 0;
+      state.staging = Staging{};
+    }
     set_all_lengths(0);
+  }
+
+  /// Moves a staged chunk into the ring and gives back the staging areas (bytes() falls to the
+  /// ring's), and the memory of the slots no position reaches yet (whole pages; Linux), which
+  /// later updates take again. A mutating call on every layer; a truncate() after it rolls back
+  /// as far as `slack` allows (a staged chunk no longer can be).
+  void shrink_to_fit() noexcept {
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      Layer& state = layers_[l];
+      fold_staged(state, length(l));
+      state.staging = Staging{};
+      // The slots after the last one a held position is in: a ring that has not wrapped yet.
+      std::size_t unused = slots();
+      while (unused > 0 && (state.positions[unused - 1] < 0 ||
+                            static_cast<std::size_t>(state.positions[unused - 1]) >= state.stored_end)) {
+        --unused;
+      }
+      state.rows.release(unused, slots() - unused);
+    }
   }
 
   /// Every position the layer holds (sinks, ring, a staged chunk), without writing; attention
@@ -360,4 +385,5 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
 
 static_assert(kv_cache_protocol<RingKvCache<float>>);
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

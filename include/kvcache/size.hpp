@@ -4,8 +4,10 @@
 #include <cstddef>
 
 #include "kvcache/codec.hpp"
+#include "kvcache/version.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// Bytes of K and V for `tokens` positions: 2 x layers x batch x tokens x kv_heads x head_dim x bytes.
 [[nodiscard]] constexpr std::size_t kv_cache_bytes(std::size_t layers, std::size_t batch, std::size_t tokens,
@@ -25,4 +27,5 @@ template <storage_format T>
   return 2 * layers * kv_heads * (Codec::units(head_dim) * sizeof(typename Codec::unit) + scale);
 }
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

@@ -17,9 +17,11 @@
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/row_store.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// A cache for continuous batching: `batch` slots, each a row with a length of its own, so a
 /// server admits a request into a free slot while others are mid-generation, and a finished
@@ -85,7 +87,8 @@ class SlotKvCache : public detail::CacheBase,
     return static_cast<std::size_t>(free - acquired_.begin());
   }
 
-  /// Finishes the sequence in `row`: forgets its tokens in every layer and frees the slot.
+  /// Finishes the sequence in `row`: forgets its tokens in every layer and frees the slot, whose
+  /// memory stays resident for the next sequence (shrink_to_fit() gives it back).
   /// std::out_of_range for a row past the slots, std::invalid_argument for a free one.
   void release(std::size_t row) {
     check_acquired("SlotKvCache::release", "row", row);
@@ -182,13 +185,26 @@ class SlotKvCache : public detail::CacheBase,
     std::fill(acquired_.begin(), acquired_.end(), 0);
   }
 
+  /// Gives the memory of every free slot, and of each held slot's positions past its length,
+  /// back to the system (whole pages; Linux): what released slots held stops being resident
+  /// until a sequence admitted there writes it again. Addresses and bytes() stay the same.
+  void shrink_to_fit() noexcept {
+    for (std::size_t l = 0; l < layers(); ++l) {
+      for (std::size_t row = 0; row < slots(); ++row) {
+        const std::size_t held = lengths_[at(l, row)];
+        rows_[l].release(held, capacity_ - held, row);
+      }
+    }
+  }
+
   /// Every slot's history in `layer` as update() returns it, without writing: batch row b reads
   /// slot b (a free slot, nothing). Valid until the next mutating call on that layer or the next
   /// history() of it; leaves what update() returned intact.
   [[nodiscard]] History<T> history(std::size_t layer) { return history(layer, Rows(every_row_)); }
   /// The listed rows' histories in `layer`, batch row i reading rows[i], valid as history(layer)'s;
   /// std::out_of_range for a bad layer or row.
-  [[nodiscard]] History<T> history(std::size_t layer, Rows rows) {
+  [[nodiscard]] History<T> history(std::size_t layer, const RowsArg& listed) {
+    const Rows& rows = listed.view();
     if (layer >= layers()) detail::check_layer("SlotKvCache::history", layer, layers());
     for (std::size_t i = 0; i < rows.size(); ++i)
       check_row("SlotKvCache::history", "rows[" + std::to_string(i) + "]", rows[i]);
@@ -381,4 +397,5 @@ class SlotKvCache : public detail::CacheBase,
 
 static_assert(row_cache_protocol<SlotKvCache<float>>);
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

@@ -5,7 +5,7 @@
 // storage format: an engine saves a prompt's cache once and skips its prefill afterwards.
 //
 //   kvcache::save_state(cache, "prompt.kvstate", fingerprint);          // the model's, say
-//   kvcache::KvCache<Eigen::bfloat16> restored(kvcache::read_state_info("prompt.kvstate").config);
+//   kvcache::KvCache<kvcache::bfloat16> restored(kvcache::read_state_info("prompt.kvstate").config);
 //   std::string metadata = kvcache::load_state(restored, "prompt.kvstate");
 //
 // The file: an 8-byte magic, a version, then sections, each a tag, an index (the layer), its
@@ -53,8 +53,10 @@
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/crc32c.hpp"
 #include "kvcache/detail/row_store.hpp"
+#include "kvcache/version.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// What a state file says of itself, read by read_state_info() without its data.
 struct StateInfo {
@@ -933,4 +935,5 @@ std::string load_state(Cache& cache, const std::filesystem::path& path) {
   return load_state(cache, in);
 }
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

@@ -25,15 +25,19 @@
 #include <vector>
 
 #include "kvcache/codec.hpp"
+#include "kvcache/config.hpp"
+#include "kvcache/version.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
-/// Extents of a [batch, heads, tokens, head_dim] block.
+/// Extents of a [batch, heads, tokens, head_dim] block, from any integer type (an engine's
+/// `int`s in braces: `{1, n_kv_heads, tokens, head_size}`); std::invalid_argument if negative.
 struct Shape {
-  std::size_t batch = 0;
-  std::size_t heads = 0;
-  std::size_t tokens = 0;
-  std::size_t head_dim = 0;
+  Count<"Shape.batch"> batch = 0;
+  Count<"Shape.heads"> heads = 0;
+  Count<"Shape.tokens"> tokens = 0;
+  Count<"Shape.head_dim"> head_dim = 0;
 
   friend constexpr bool operator==(const Shape&, const Shape&) = default;
 
@@ -44,7 +48,8 @@ struct Shape {
   [[nodiscard]] std::string str() const {
     // Built with append: GCC 12 warns (-Wrestrict, falsely) on chained operator+ at -O3.
     std::string s = "[";
-    for (const std::size_t extent : {batch, heads, tokens, head_dim}) {
+    for (const std::size_t extent :
+         {std::size_t{batch}, std::size_t{heads}, std::size_t{tokens}, std::size_t{head_dim}}) {
       if (s.size() > 1) s.append(", ");
       s.append(std::to_string(extent));
     }
@@ -52,11 +57,12 @@ struct Shape {
   }
 };
 
-/// Element strides of the batch, heads and tokens dimensions; head_dim always has stride 1.
+/// Element strides of the batch, heads and tokens dimensions, from any integer type; head_dim
+/// always has stride 1. std::invalid_argument if negative.
 struct Strides {
-  std::size_t batch = 0;
-  std::size_t heads = 0;
-  std::size_t tokens = 0;
+  Count<"Strides.batch"> batch = 0;
+  Count<"Strides.heads"> heads = 0;
+  Count<"Strides.tokens"> tokens = 0;
 
   friend constexpr bool operator==(const Strides&, const Strides&) = default;
 
@@ -174,9 +180,10 @@ requires detail::RowMajorTensor4<E> || detail::RowMajorMatrix<E> TensorView(E&)
 ->TensorView<std::remove_pointer_t<decltype(std::declval<E&>().data())>>;
 
 /// Absolute positions of `tokens` keys or queries for every batch row: one list shared by every
-/// row (row_stride 0), or a list per row, row b's at data + b * row_stride. Converts from a
-/// std::span or any contiguous range of std::int64_t (a shared list), and from one
-/// std::int64_t variable for a single token: `cache.update(layer, k, v, {pos})`.
+/// row (row_stride 0), or a list per row, row b's at data + b * row_stride. A view of
+/// std::int64_t: converts from a std::span or any contiguous range of them (a shared list), and
+/// from one std::int64_t variable. update() and causal_attention() take a PositionsArg, which
+/// takes any integer type besides: `cache.update(layer, k, v, {pos})` with an int pos.
 class Positions {
  public:
   constexpr Positions() noexcept = default;
@@ -251,6 +258,124 @@ class Rows {
   std::size_t size_ = 0;
 };
 
+namespace detail {
+
+/// A call's list of integers as Value: viewed in place, or converted (inline up to 8, on the heap
+/// beyond).
+template <class Value>
+class ConvertedList {
+ public:
+  ConvertedList() = default;
+  ConvertedList(const ConvertedList&) = delete;
+  ConvertedList& operator=(const ConvertedList&) = delete;
+
+  /// The values of `list` as Value: in place if they are Value already, else converted, each of
+  /// which must fit (std::invalid_argument naming `what`[i], `expected` and the value).
+  template <std::ranges::contiguous_range R>
+  const Value* values(const R& list, const char* what, const char* expected) {
+    if constexpr (std::is_same_v<std::remove_cv_t<std::ranges::range_value_t<R>>, Value>) {
+      return std::ranges::data(list);
+    } else {
+      const std::size_t n = std::ranges::size(list);
+      if (n > inline_.size()) heap_.resize(n);
+      Value* to = n > inline_.size() ? heap_.data() : inline_.data();
+      std::size_t i = 0;
+      for (const auto value : list) {
+        if (!std::in_range<Value>(value)) {
+          throw std::invalid_argument(std::string(what) + "[" + std::to_string(i) + "]: expected " + expected +
+                                      ", given " + std::to_string(value));
+        }
+        to[i++] = static_cast<Value>(value);
+      }
+      return to;
+    }
+  }
+  /// One value, held here (a call's argument outlives the list, not the variable it came from).
+  template <class I>
+  const Value* one(I value, const char* what, const char* expected) {
+    inline_[0] = *values(std::span<const I>(&value, 1), what, expected);
+    return inline_.data();
+  }
+
+ private:
+  std::array<Value, 8> inline_{};
+  std::vector<Value> heap_;
+};
+
+template <class R>
+using range_integer = std::remove_cv_t<std::ranges::range_value_t<R>>;
+
+}  // namespace detail
+
+/// What update() and causal_attention() take as positions: a Positions view; one position of
+/// any integer type, held for the call (`{pos}`, `{n + 1}`); or a contiguous range of integers of any
+/// type (std::vector<int>, std::span<const std::int64_t>, ...), viewed in place if its values are
+/// std::int64_t and converted for the call otherwise. std::invalid_argument for a value beyond
+/// std::int64_t. Made for a call's argument: it may point into itself, so it is not copied.
+class PositionsArg {
+ public:
+  /// No positions (an update of no tokens).
+  PositionsArg() noexcept = default;
+  PositionsArg(const Positions& positions) noexcept : view_(positions) {}  // NOLINT(google-explicit-constructor)
+  template <detail::CountInteger I>
+  PositionsArg(I position)  // NOLINT(google-explicit-constructor)
+      : view_(converted_.one(position, "positions", "a std::int64_t"), 1) {}
+  template <std::ranges::contiguous_range R>
+  requires detail::CountInteger<detail::range_integer<R>> &&(!std::is_same_v<std::remove_cvref_t<R>, Positions>)
+      PositionsArg(const R& positions)  // NOLINT(google-explicit-constructor)
+      : view_(converted_.values(positions, "positions", "a std::int64_t"), std::ranges::size(positions)) {}
+  PositionsArg(const PositionsArg&) = delete;
+  PositionsArg& operator=(const PositionsArg&) = delete;
+  ~PositionsArg() = default;
+
+  [[nodiscard]] const Positions& view() const noexcept { return view_; }
+
+ private:
+  detail::ConvertedList<std::int64_t> converted_;
+  Positions view_;
+};
+
+/// What a slot cache's update() and history() take as rows: a Rows view; one row of any integer
+/// type, held for the call; a braced list of integers (`{0, 3}`, `{slot_a, slot_b}`); or a
+/// contiguous range of integers of any type, viewed in place if its values are std::size_t and
+/// converted for the call otherwise. std::invalid_argument for a negative row. Made for a call's
+/// argument: it may point into itself, so it is not copied.
+class RowsArg {
+ public:
+  /// No rows.
+  RowsArg() noexcept = default;
+  RowsArg(Rows rows) noexcept : view_(rows) {}  // NOLINT(google-explicit-constructor)
+// A braced list lives until the end of the call it is written in, which is all a RowsArg needs.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winit-list-lifetime"
+#endif
+  RowsArg(std::initializer_list<std::size_t> rows) noexcept  // NOLINT(google-explicit-constructor)
+      : view_(rows.begin(), rows.size()) {}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+  template <detail::CountInteger I>
+  RowsArg(std::initializer_list<I> rows)  // NOLINT(google-explicit-constructor)
+      : view_(converted_.values(rows, "rows", "a slot >= 0"), rows.size()) {}
+  template <detail::CountInteger I>
+  RowsArg(I row)  // NOLINT(google-explicit-constructor)
+      : view_(converted_.one(row, "rows", "a slot >= 0"), 1) {}
+  template <std::ranges::contiguous_range R>
+  requires detail::CountInteger<detail::range_integer<R>> &&
+      (!std::is_same_v<std::remove_cvref_t<R>, Rows>)RowsArg(const R& rows)  // NOLINT(google-explicit-constructor)
+      : view_(converted_.values(rows, "rows", "a slot >= 0"), std::ranges::size(rows)) {}
+  RowsArg(const RowsArg&) = delete;
+  RowsArg& operator=(const RowsArg&) = delete;
+  ~RowsArg() = default;
+
+  [[nodiscard]] const Rows& view() const noexcept { return view_; }
+
+ private:
+  detail::ConvertedList<std::size_t> converted_;
+  Rows view_;
+};
+
 /// The positions of `tokens` tokens that continue a layer holding `length`:
 /// `auto positions = kvcache::next_positions(cache.length(layer), tokens);`
 [[nodiscard]] inline std::vector<std::int64_t> next_positions(std::size_t length, std::size_t tokens) {
@@ -322,4 +447,5 @@ struct History {
   }
 };
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

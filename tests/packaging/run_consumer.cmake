@@ -1,20 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # cmake -DMODE=find_package|add_subdirectory|fetch_content -DKVCACHE_SOURCE_DIR=... -DCONSUMER_DIR=...
 #       -DWORK_DIR=... -DGENERATOR=... -DCXX=... -P run_consumer.cmake
-function(run)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    string(REPLACE ";" " " command "${ARGN}")
-    message(FATAL_ERROR "packaging test (${MODE}) failed at: ${command}")
-  endif()
-endfunction()
+include("${CMAKE_CURRENT_LIST_DIR}/run_step.cmake")
 
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(consumer_options "")
 if(MODE STREQUAL "find_package")
   # Install into a private prefix, then let the consumer find it there and nowhere else.
+  # The headers alone: the C API's package is packaging_c's (run_c_consumer.cmake).
   run("${CMAKE_COMMAND}" -S "${KVCACHE_SOURCE_DIR}" -B "${WORK_DIR}/kvcache-build" -G "${GENERATOR}"
-      -DKVCACHE_BUILD_TESTS=OFF -DKVCACHE_BUILD_BENCHMARKS=OFF -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_INSTALL=ON
+      -DKVCACHE_BUILD_TESTS=OFF -DKVCACHE_BUILD_BENCHMARKS=OFF -DKVCACHE_BUILD_EXAMPLES=OFF -DKVCACHE_BUILD_C_API=OFF
+      -DKVCACHE_BUILD_TOOLS=OFF -DKVCACHE_INSTALL=ON
       "-DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix")
   run("${CMAKE_COMMAND}" --build "${WORK_DIR}/kvcache-build")
   run("${CMAKE_COMMAND}" --install "${WORK_DIR}/kvcache-build")

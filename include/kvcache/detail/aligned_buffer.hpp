@@ -11,6 +11,8 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+
+#include "kvcache/version.hpp"
 #endif
 
 // Large cache storage asks for transparent huge pages (AlignedBuffer); define as 0 to keep the
@@ -19,7 +21,9 @@
 #define KVCACHE_HUGE_PAGES 1
 #endif
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// The huge page that Linux backs anonymous memory with on request (x86-64, and AArch64 with
 /// 4 KiB base pages).
@@ -42,6 +46,22 @@ inline void advise_huge_pages(void* data, std::size_t bytes) noexcept {
 inline constexpr bool kAdvisesHugePages = false;
 inline void advise_huge_pages(void* /*data*/, std::size_t /*bytes*/) noexcept {}
 #endif
+
+/// Gives the whole pages inside [data, data + bytes) back to the system, which backs them again
+/// on their next write, with zeros: for storage that holds no token (shrink_to_fit). Linux only
+/// (MADV_DONTNEED); elsewhere the pages stay.
+inline void release_pages(void* data, std::size_t bytes) noexcept {
+#if defined(__linux__) && defined(MADV_DONTNEED)
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const std::uintptr_t first = (begin + page - 1) / page * page;
+  const std::uintptr_t last = (begin + bytes) / page * page;
+  if (first < last) (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
 
 /// How an AlignedBuffer prepares its storage.
 struct BufferOptions {
@@ -100,4 +120,6 @@ class AlignedBuffer {
   std::size_t size_ = 0;
 };
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache

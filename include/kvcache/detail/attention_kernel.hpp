@@ -25,7 +25,9 @@
 #include "kvcache/detail/worker_pool.hpp"
 #include "kvcache/views.hpp"
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// Which keys a query at position p may read: causal, and inside every window that applies (the
 /// cache's own and the call's). Sinks are the positions [0, sinks): a negative key is never one.
@@ -551,4 +553,6 @@ void run_attention(const AttentionKernel<T, B, Dim>& kernel, const History<T>& h
   }
 }
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache

@@ -19,9 +19,12 @@
 #include "kvcache/config.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/detail/row_store.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// Saves and loads a cache's state (kvcache/state_file.hpp): a friend of CacheBase and of every
 /// variant, which reads and restores their private state.
@@ -245,57 +248,86 @@ class CacheBase {
 };
 
 /// update() for every compute type a format accepts, as plain overloads (not a template), so
-/// that mutable views and Eigen tensors convert on the way in. Each forwards to the variant's
-/// `store<In>(layer, k, v, positions)`.
+/// that mutable views and Eigen tensors convert on the way in, and positions come in any integer
+/// type (PositionsArg). Each forwards to the variant's `store<In>(layer, k, v, positions)`.
 template <class Cache, class T>
 class ComputeTypeUpdates {
  public:
   History<T> update(std::size_t layer, TensorView<const float> k, TensorView<const float> v,
-                    const Positions& positions) requires accepts_input<T, float> {
-    return self().store(layer, k, v, positions);
+                    const PositionsArg& positions) requires accepts_input<T, float> {
+    return forward(layer, k, v, positions);
   }
   History<T> update(std::size_t layer, TensorView<const double> k, TensorView<const double> v,
-                    const Positions& positions) requires accepts_input<T, double> {
-    return self().store(layer, k, v, positions);
+                    const PositionsArg& positions) requires accepts_input<T, double> {
+    return forward(layer, k, v, positions);
   }
-  History<T> update(std::size_t layer, TensorView<const Eigen::half> k, TensorView<const Eigen::half> v,
-                    const Positions& positions) requires accepts_input<T, Eigen::half> {
-    return self().store(layer, k, v, positions);
+  History<T> update(std::size_t layer, TensorView<const bfloat16> k, TensorView<const bfloat16> v,
+                    const PositionsArg& positions) requires accepts_input<T, bfloat16> {
+    return forward(layer, k, v, positions);
+  }
+  History<T> update(std::size_t layer, TensorView<const half> k, TensorView<const half> v,
+                    const PositionsArg& positions) requires accepts_input<T, half> {
+    return forward(layer, k, v, positions);
   }
   History<T> update(std::size_t layer, TensorView<const Eigen::bfloat16> k, TensorView<const Eigen::bfloat16> v,
-                    const Positions& positions) requires accepts_input<T, Eigen::bfloat16> {
-    return self().store(layer, k, v, positions);
+                    const PositionsArg& positions) requires accepts_input<T, Eigen::bfloat16> {
+    return forward(layer, k, v, positions);
+  }
+  History<T> update(std::size_t layer, TensorView<const Eigen::half> k, TensorView<const Eigen::half> v,
+                    const PositionsArg& positions) requires accepts_input<T, Eigen::half> {
+    return forward(layer, k, v, positions);
   }
 
  private:
-  Cache& self() noexcept { return static_cast<Cache&>(*this); }
+  template <class In>
+  History<T> forward(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
+                     const PositionsArg& positions) {
+    require_complete<In>();
+    return static_cast<Cache&>(*this).store(layer, k, v, positions.view());
+  }
 };
 
 /// update(layer, k, v, positions, rows) for every compute type a format accepts, as
-/// ComputeTypeUpdates gives the protocol's form, for caches whose rows advance on their own.
-/// Each forwards to the variant's `store<In>(layer, k, v, positions, rows)`.
+/// ComputeTypeUpdates gives the protocol's form, for caches whose rows advance on their own; rows
+/// come in any integer type (RowsArg). Each forwards to the variant's
+/// `store<In>(layer, k, v, positions, rows)`.
 template <class Cache, class T>
 class RowUpdates {
  public:
-  History<T> update(std::size_t layer, TensorView<const float> k, TensorView<const float> v, const Positions& positions,
-                    Rows rows) requires accepts_input<T, float> {
-    return self().store(layer, k, v, positions, rows);
+  History<T> update(std::size_t layer, TensorView<const float> k, TensorView<const float> v,
+                    const PositionsArg& positions, const RowsArg& rows) requires accepts_input<T, float> {
+    return forward(layer, k, v, positions, rows);
   }
   History<T> update(std::size_t layer, TensorView<const double> k, TensorView<const double> v,
-                    const Positions& positions, Rows rows) requires accepts_input<T, double> {
-    return self().store(layer, k, v, positions, rows);
+                    const PositionsArg& positions, const RowsArg& rows) requires accepts_input<T, double> {
+    return forward(layer, k, v, positions, rows);
   }
-  History<T> update(std::size_t layer, TensorView<const Eigen::half> k, TensorView<const Eigen::half> v,
-                    const Positions& positions, Rows rows) requires accepts_input<T, Eigen::half> {
-    return self().store(layer, k, v, positions, rows);
+  History<T> update(std::size_t layer, TensorView<const bfloat16> k, TensorView<const bfloat16> v,
+                    const PositionsArg& positions, const RowsArg& rows) requires accepts_input<T, bfloat16> {
+    return forward(layer, k, v, positions, rows);
+  }
+  History<T> update(std::size_t layer, TensorView<const half> k, TensorView<const half> v,
+                    const PositionsArg& positions, const RowsArg& rows) requires accepts_input<T, half> {
+    return forward(layer, k, v, positions, rows);
   }
   History<T> update(std::size_t layer, TensorView<const Eigen::bfloat16> k, TensorView<const Eigen::bfloat16> v,
-                    const Positions& positions, Rows rows) requires accepts_input<T, Eigen::bfloat16> {
-    return self().store(layer, k, v, positions, rows);
+                    const PositionsArg& positions, const RowsArg& rows) requires accepts_input<T, Eigen::bfloat16> {
+    return forward(layer, k, v, positions, rows);
+  }
+  History<T> update(std::size_t layer, TensorView<const Eigen::half> k, TensorView<const Eigen::half> v,
+                    const PositionsArg& positions, const RowsArg& rows) requires accepts_input<T, Eigen::half> {
+    return forward(layer, k, v, positions, rows);
   }
 
  private:
-  Cache& self() noexcept { return static_cast<Cache&>(*this); }
+  template <class In>
+  History<T> forward(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
+                     const PositionsArg& positions, const RowsArg& rows) {
+    require_complete<In>();
+    return static_cast<Cache&>(*this).store(layer, k, v, positions.view(), rows.view());
+  }
 };
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache

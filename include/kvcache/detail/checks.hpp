@@ -17,9 +17,12 @@
 #include <vector>
 
 #include "kvcache/config.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// The shape every update of a cache must have, the token count aside.
 struct Geometry {
@@ -173,4 +176,6 @@ void check_update(std::string_view cache, const Geometry& g, std::size_t layer, 
   check_continues(call, positions.row(0), length, capacity, [&] { return "layer " + std::to_string(layer); });
 }
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache

@@ -16,10 +16,14 @@
 #define KVCACHE_CRC32C_X86 1
 #elif defined(__ARM_FEATURE_CRC32)
 #include <arm_acle.h>
+
+#include "kvcache/version.hpp"
 #define KVCACHE_CRC32C_ARM 1
 #endif
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// The reflected Castagnoli polynomial.
 inline constexpr std::uint32_t kCrc32cPolynomial = 0x82F63B78U;
@@ -147,4 +151,6 @@ inline std::uint32_t crc32c(std::uint32_t crc, const void* data, std::size_t n) 
   return crc32c_portable(crc, data, n);
 }
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache

@@ -15,7 +15,9 @@
 #include "kvcache/detail/simd.hpp"
 #include "kvcache/views.hpp"
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// Which positions a block of queries may read, as bounds: keys after `latest` are invisible to
 /// all of them, and so are keys before `oldest` that are not sinks (positions [0, sinks_end)).
@@ -157,4 +159,6 @@ class KeyCursor {
   std::size_t key_ = 0;
 };
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache

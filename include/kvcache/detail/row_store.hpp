@@ -9,9 +9,12 @@
 #include "kvcache/codec.hpp"
 #include "kvcache/detail/aligned_buffer.hpp"
 #include "kvcache/detail/assert.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// A layer's K and V scales per kv head, for formats with head scales (null otherwise).
 struct HeadScaleView {
@@ -126,6 +129,13 @@ class RowStore {
     runs(self.value_scales_, 1);
   }
 
+  /// Gives back the memory of slots [slot, slot + count) (of stored row `row` alone, or of every
+  /// row), which hold no token: whole pages only, which read as zeros until written again.
+  void release(std::size_t slot, std::size_t count, std::size_t row = kEveryRow) noexcept {
+    for_each_run(
+        *this, slot, count, [](auto* data, std::size_t bytes) { release_pages(data, bytes); }, row);
+  }
+
   /// Slots [slot, slot + count) as a segment with the given positions (and the layer's head
   /// scales, for formats that have them).
   [[nodiscard]] Segment<T> segment(std::size_t slot, std::size_t count, Positions positions,
@@ -164,4 +174,6 @@ class RowStore {
   AlignedBuffer<float> value_scales_;
 };
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache

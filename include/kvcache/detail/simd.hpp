@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "kvcache/version.hpp"
+
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__) || defined(__SSE4_1__)
 #include <immintrin.h>
 #endif
@@ -25,7 +27,9 @@
 
 #define KVCACHE_ALWAYS_INLINE __attribute__((always_inline))
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 #if defined(__AVX512F__)
 inline constexpr std::size_t kNativeBytes = 64;
@@ -312,4 +316,6 @@ inline V exp_nonpositive(const V& x) noexcept {
 /// Asks for the cache line at p to be brought towards L1 ahead of its use.
 KVCACHE_ALWAYS_INLINE inline void prefetch(const void* p) noexcept { __builtin_prefetch(p, 0, 3); }
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache

@@ -20,9 +20,13 @@
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
+
+#include "kvcache/version.hpp"
 #endif
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// Threads the hardware runs at once (at least 1). Cached in a constant-initialized atomic, not a
 /// function-local static: a child forked while another thread held such a static's guard would
@@ -253,4 +257,6 @@ void run_workers(std::size_t workers, const Work& work) {
   for (std::thread& t : threads) t.join();
 }
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache
