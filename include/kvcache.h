@@ -27,9 +27,7 @@
 
 #include "kvcache/version.hpp"
 
-#if defined(_WIN32) && defined(KVCACHE_C_SHARED)
-#define KVCACHE_C_API __declspec(dllimport)
-#elif defined(__GNUC__) || defined(__clang__)
+#if defined(__GNUC__) || defined(__clang__)
 #define KVCACHE_C_API __attribute__((visibility("default")))
 #else
 #define KVCACHE_C_API
@@ -175,7 +173,8 @@ KVCACHE_C_API const char* kvcache_format_name(kvcache_format format);
 KVCACHE_C_API const char* kvcache_variant_name(kvcache_variant variant);
 /* The format named `name` (as kvcache_format_name gives it). */
 KVCACHE_C_API kvcache_status kvcache_format_from_name(const char* name, kvcache_format* format);
-/* Bytes one token takes in `format`, K and V over every layer and kv head (row scales included). */
+/* Bytes one token takes in `format`, K and V over every layer and kv head (row scales included);
+ * 0 for a value that is no format. */
 KVCACHE_C_API size_t kvcache_bytes_per_token(kvcache_format format, size_t layers, size_t kv_heads, size_t head_dim);
 
 /* ---- caches */
@@ -186,6 +185,7 @@ KVCACHE_C_API kvcache_status kvcache_create(kvcache_variant variant, kvcache_for
 /* Frees a cache (a paged sequence gives its blocks back to its pool); NULL does nothing. */
 KVCACHE_C_API void kvcache_destroy(kvcache_cache* cache);
 
+/* What a cache is (KVCACHE_VARIANT_COUNT, KVCACHE_FORMAT_COUNT and 0 for NULL). */
 KVCACHE_C_API kvcache_variant kvcache_variant_of(const kvcache_cache* cache);
 KVCACHE_C_API kvcache_format kvcache_format_of(const kvcache_cache* cache);
 KVCACHE_C_API size_t kvcache_layers(const kvcache_cache* cache);

@@ -19,6 +19,12 @@
 #include "kvcache.h"
 #include "kvcache/kvcache.hpp"
 
+// c_api_test_callers.c: calls with enum values no enumerator has, made in C.
+extern "C" kvcache_status kvcache_test_create_with_format(int format, const kvcache_config* config,
+                                                          kvcache_cache** cache);
+extern "C" kvcache_status kvcache_test_update_with_k_dtype(kvcache_cache* cache, const kvcache_tensor* k, int dtype,
+                                                           const int64_t* position);
+
 namespace kvcache {
 namespace {
 
@@ -31,15 +37,6 @@ constexpr std::size_t kLayers = 2, kKvHeads = 2, kQHeads = 4, kDim = 64, kCapaci
 /// Fails the test with the C API's message unless `status` is KVCACHE_OK.
 #define EXPECT_C_OK(call) EXPECT_EQ((call), KVCACHE_OK) << kvcache_last_error()
 #define ASSERT_C_OK(call) ASSERT_EQ((call), KVCACHE_OK) << kvcache_last_error()
-
-/// A C enum holding `value`, which may be none of its enumerators (as a C caller may pass).
-template <class Enum>
-Enum enum_value(int value) {
-  static_assert(sizeof(Enum) == sizeof(int));
-  Enum e;
-  std::memcpy(&e, &value, sizeof e);
-  return e;
-}
 
 kvcache_config c_config(std::size_t batch = 1) {
   kvcache_config c{};
@@ -127,6 +124,9 @@ TEST(CApi, FormatsFollowTheLibrarysList) {
     EXPECT_EQ(kvcache_bytes_per_token(format, 28, 8, 128), (kv_bytes_per_token<T>(28, 8, 128)));
   });
   EXPECT_EQ(kvcache_format_name(KVCACHE_FORMAT_COUNT), nullptr);
+  EXPECT_EQ(kvcache_bytes_per_token(KVCACHE_FORMAT_COUNT, 28, 8, 128), 0U);
+  EXPECT_EQ(kvcache_layers(nullptr), 0U);
+  EXPECT_EQ(kvcache_variant_of(nullptr), KVCACHE_VARIANT_COUNT);
   kvcache_format none{};
   EXPECT_EQ(kvcache_format_from_name("bf16", &none), KVCACHE_ERROR_INVALID_ARGUMENT);
   EXPECT_THAT(kvcache_last_error(), HasSubstr("expected one of float, double, half, bfloat16"));
@@ -241,9 +241,8 @@ TEST(CApi, AFailedCallIsAStatusAndAMessageAndChangesNothing) {
   EXPECT_THAT(kvcache_last_error(), HasSubstr("layer: expected < 2, given 2"));
   EXPECT_EQ(kvcache_update(h.cache, 0, nullptr, &k, &next), KVCACHE_ERROR_INVALID_ARGUMENT);
   EXPECT_THAT(kvcache_last_error(), HasSubstr("kvcache_update: k: expected a pointer, given NULL"));
-  kvcache_tensor bad_dtype = k;
-  bad_dtype.dtype = enum_value<kvcache_dtype>(9);
-  EXPECT_EQ(kvcache_update(h.cache, 0, &bad_dtype, &bad_dtype, &next), KVCACHE_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvcache_test_update_with_k_dtype(h.cache, &k, 9, &next), KVCACHE_ERROR_INVALID_ARGUMENT);
+  EXPECT_THAT(kvcache_last_error(), HasSubstr("k dtype: expected KVCACHE_DTYPE_F32, _BF16 or _F16, given 9"));
   kvcache_tensor bf16 = k;
   bf16.dtype = KVCACHE_DTYPE_BF16;
   EXPECT_EQ(kvcache_update(h.cache, 0, &k, &bf16, &next), KVCACHE_ERROR_INVALID_ARGUMENT);
@@ -285,8 +284,7 @@ TEST(CApi, AFailedCallIsAStatusAndAMessageAndChangesNothing) {
   EXPECT_EQ(kvcache_create(KVCACHE_VARIANT_KV, KVCACHE_FORMAT_FLOAT, &zero, &none), KVCACHE_ERROR_INVALID_ARGUMENT);
   EXPECT_THAT(kvcache_last_error(), HasSubstr("config.kv_heads: expected > 0, given 0"));
   EXPECT_EQ(kvcache_create(KVCACHE_VARIANT_PAGED, KVCACHE_FORMAT_FLOAT, &zero, &none), KVCACHE_ERROR_INVALID_ARGUMENT);
-  EXPECT_EQ(kvcache_create(KVCACHE_VARIANT_KV, enum_value<kvcache_format>(99), &zero, &none),
-            KVCACHE_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvcache_test_create_with_format(99, &zero, &none), KVCACHE_ERROR_INVALID_ARGUMENT);
   EXPECT_THAT(kvcache_last_error(), HasSubstr("format: expected a kvcache_format, given 99"));
   EXPECT_EQ(none, nullptr);
 }

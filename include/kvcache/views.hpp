@@ -328,6 +328,7 @@ class PositionsArg {
   PositionsArg& operator=(const PositionsArg&) = delete;
   ~PositionsArg() = default;
 
+  /// The positions, valid while this argument lives (for the call).
   [[nodiscard]] const Positions& view() const noexcept { return view_; }
 
  private:
@@ -369,6 +370,7 @@ class RowsArg {
   RowsArg& operator=(const RowsArg&) = delete;
   ~RowsArg() = default;
 
+  /// The rows, valid while this argument lives (for the call).
   [[nodiscard]] const Rows& view() const noexcept { return view_; }
 
  private:

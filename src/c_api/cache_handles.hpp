@@ -48,28 +48,40 @@ template <class F>
 decltype(auto) with_view(const char* call, const char* name, const kvcache_tensor& t, const F& f) {
   const Shape shape{t.batch, t.heads, t.tokens, t.head_dim};
   const Strides strides{t.batch_stride, t.head_stride, t.token_stride};
-  switch (t.dtype) {
+  switch (as_int(t.dtype)) {
     case KVCACHE_DTYPE_F32:
       return f(TensorView<const float>(static_cast<const float*>(t.data), shape, strides));
     case KVCACHE_DTYPE_BF16:
       return f(TensorView<const bfloat16>(static_cast<const bfloat16*>(t.data), shape, strides));
     case KVCACHE_DTYPE_F16:
       return f(TensorView<const half>(static_cast<const half*>(t.data), shape, strides));
+    default:
+      break;
   }
   throw std::invalid_argument(std::string(call) + ": " + name +
                               " dtype: expected KVCACHE_DTYPE_F32, _BF16 or _F16, given " +
-                              std::to_string(static_cast<int>(t.dtype)));
+                              std::to_string(as_int(t.dtype)));
 }
 
-/// The dtype's name for messages.
-inline const char* dtype_name(kvcache_dtype dtype) noexcept {
-  return dtype == KVCACHE_DTYPE_F32 ? "F32" : dtype == KVCACHE_DTYPE_BF16 ? "BF16" : "F16";
+/// A dtype's name for messages.
+inline std::string dtype_name(int dtype) {
+  switch (dtype) {
+    case KVCACHE_DTYPE_F32:
+      return "F32";
+    case KVCACHE_DTYPE_BF16:
+      return "BF16";
+    case KVCACHE_DTYPE_F16:
+      return "F16";
+    default:
+      return std::to_string(dtype);
+  }
 }
 
+/// Checks that v holds k's dtype (which with_view has checked is one).
 inline void check_same_dtype(const char* call, const kvcache_tensor& k, const kvcache_tensor& v) {
-  if (k.dtype != v.dtype) {
-    throw std::invalid_argument(std::string(call) + ": v dtype: expected k's " + dtype_name(k.dtype) + ", given " +
-                                dtype_name(v.dtype));
+  if (as_int(k.dtype) != as_int(v.dtype)) {
+    throw std::invalid_argument(std::string(call) + ": v dtype: expected k's " + dtype_name(as_int(k.dtype)) +
+                                ", given " + dtype_name(as_int(v.dtype)));
   }
 }
 
@@ -90,8 +102,8 @@ class CacheHandle final : public kvcache_cache {
 
   void update(std::size_t layer, const kvcache_tensor& k, const kvcache_tensor& v,
               const Positions& positions) override {
-    check_same_dtype("kvcache_update", k, v);
     with_view("kvcache_update", "k", k, [&](auto k_view) {
+      check_same_dtype("kvcache_update", k, v);
       using View = decltype(k_view);
       const View v_view(static_cast<typename View::element_type*>(v.data), {v.batch, v.heads, v.tokens, v.head_dim},
                         {v.batch_stride, v.head_stride, v.token_stride});
@@ -102,8 +114,8 @@ class CacheHandle final : public kvcache_cache {
   void update_rows(std::size_t layer, const kvcache_tensor& k, const kvcache_tensor& v, const Positions& positions,
                    Rows rows) override {
     if constexpr (kVariantOf<Cache> == KVCACHE_VARIANT_SLOT) {
-      check_same_dtype("kvcache_update_rows", k, v);
       with_view("kvcache_update_rows", "k", k, [&](auto k_view) {
+        check_same_dtype("kvcache_update_rows", k, v);
         using View = decltype(k_view);
         const View v_view(static_cast<typename View::element_type*>(v.data), {v.batch, v.heads, v.tokens, v.head_dim},
                           {v.batch_stride, v.head_stride, v.token_stride});
@@ -247,7 +259,7 @@ class PoolHandle final : public kvcache_pool {
 };
 
 template <class T>
-std::unique_ptr<kvcache_cache> make_cache(kvcache_variant variant, const KvCacheConfig& config) {
+std::unique_ptr<kvcache_cache> make_cache(int variant, const KvCacheConfig& config) {
   switch (variant) {
     case KVCACHE_VARIANT_KV:
       return std::make_unique<CacheHandle<KvCache<T>>>(config);
@@ -257,8 +269,7 @@ std::unique_ptr<kvcache_cache> make_cache(kvcache_variant variant, const KvCache
       return std::make_unique<CacheHandle<RingKvCache<T>>>(config);
     case KVCACHE_VARIANT_SLOT:
       return std::make_unique<CacheHandle<SlotKvCache<T>>>(config);
-    case KVCACHE_VARIANT_PAGED:
-    case KVCACHE_VARIANT_COUNT:
+    default:
       break;
   }
   throw std::invalid_argument(

@@ -7,6 +7,7 @@
 // their own (format.cpp.in), so that the attention kernel of each is compiled once, and in
 // parallel.
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -78,9 +79,17 @@ struct kvcache_pool {
 
 namespace kvcache::c_api {
 
-/// A cache of `variant` (not paged) storing T.
+/// A C enum's value as the int the caller passed, read without forming a C++ enum value: C
+/// callers may pass values no enumerator has, which C++ may not hold in the enum's type.
+template <class Enum>
+int as_int(const Enum& e) noexcept {
+  static_assert(sizeof(Enum) == sizeof(int), "kvcache.h's enums are ints");
+  return std::bit_cast<int>(e);
+}
+
+/// A cache of `variant` (a kvcache_variant's value; not paged) storing T.
 template <class T>
-std::unique_ptr<kvcache_cache> make_cache(kvcache_variant variant, const KvCacheConfig& config);
+std::unique_ptr<kvcache_cache> make_cache(int variant, const KvCacheConfig& config);
 /// A block pool storing T.
 template <class T>
 std::unique_ptr<kvcache_pool> make_pool(const BlockPoolConfig& config);

@@ -66,29 +66,27 @@ void require(const P* pointer, const char* call, const char* name) {
     throw std::invalid_argument(std::string(call) + ": " + name + ": expected a pointer, given NULL");
 }
 
-/// Calls f.template operator()<T>() for the format T that `format` names.
+/// Calls f.template operator()<T>() for the format T that `format` (a kvcache_format's value)
+/// names.
 template <class F>
-decltype(auto) with_format(const char* call, kvcache_format format, const F& f) {
+decltype(auto) with_format(const char* call, int format, const F& f) {
   return [&]<std::size_t... I>(std::index_sequence<I...>)->decltype(auto) {
     using Result = decltype(f.template operator()<storage_formats::at<0>>());
     if constexpr (std::is_void_v<Result>) {
       bool done = false;
-      ((format == static_cast<kvcache_format>(I) ? (f.template operator()<storage_formats::at<I>>(), done = true)
-                                                 : false),
-       ...);
+      ((format == static_cast<int>(I) ? (f.template operator()<storage_formats::at<I>>(), done = true) : false), ...);
       if (!done)
         throw std::invalid_argument(std::string(call) + ": format: expected a kvcache_format, given " +
-                                    std::to_string(static_cast<int>(format)));
+                                    std::to_string(format));
     } else {
       Result result{};
       bool done = false;
-      ((format == static_cast<kvcache_format>(I)
-            ? (result = f.template operator()<storage_formats::at<I>>(), done = true)
-            : false),
+      ((format == static_cast<int>(I) ? (result = f.template operator()<storage_formats::at<I>>(), done = true)
+                                      : false),
        ...);
       if (!done)
         throw std::invalid_argument(std::string(call) + ": format: expected a kvcache_format, given " +
-                                    std::to_string(static_cast<int>(format)));
+                                    std::to_string(format));
       return result;
     }
   }
@@ -130,14 +128,14 @@ const char* kvcache_last_error(void) { return kvcache::c_api::last_error.c_str()
 const char* kvcache_format_name(kvcache_format format) {
   const char* name = nullptr;
   kvcache::for_each_format([&, i = 0]<class T>() mutable {
-    if (static_cast<int>(format) == i++) name = kvcache::format_name<T>();
+    if (kvcache::c_api::as_int(format) == i++) name = kvcache::format_name<T>();
   });
   return name;
 }
 
 const char* kvcache_variant_name(kvcache_variant variant) {
-  const auto i = static_cast<std::size_t>(variant);
-  return variant >= 0 && i < std::size(kvcache::c_api::kVariantNames) ? kvcache::c_api::kVariantNames[i] : nullptr;
+  const int i = kvcache::c_api::as_int(variant);
+  return i >= 0 && i < KVCACHE_VARIANT_COUNT ? kvcache::c_api::kVariantNames[i] : nullptr;
 }
 
 kvcache_status kvcache_format_from_name(const char* name, kvcache_format* format) {
@@ -162,7 +160,7 @@ kvcache_status kvcache_format_from_name(const char* name, kvcache_format* format
 size_t kvcache_bytes_per_token(kvcache_format format, size_t layers, size_t kv_heads, size_t head_dim) {
   std::size_t bytes = 0;
   (void)guarded([&] {
-    bytes = kvcache::c_api::with_format("kvcache_bytes_per_token", format, [&]<class T>() {
+    bytes = kvcache::c_api::with_format("kvcache_bytes_per_token", kvcache::c_api::as_int(format), [&]<class T>() {
       return kvcache::kv_bytes_per_token<T>(layers, kv_heads, head_dim);
     });
   });
@@ -175,19 +173,23 @@ kvcache_status kvcache_create(kvcache_variant variant, kvcache_format format, co
     require(config, "kvcache_create", "config");
     require(cache, "kvcache_create", "cache");
     const kvcache::KvCacheConfig c = kvcache::c_api::cache_config(*config);
-    *cache = kvcache::c_api::with_format("kvcache_create", format, [&]<class T>() {
-               return kvcache::c_api::make_cache<T>(variant, c);
+    *cache = kvcache::c_api::with_format("kvcache_create", kvcache::c_api::as_int(format), [&]<class T>() {
+               return kvcache::c_api::make_cache<T>(kvcache::c_api::as_int(variant), c);
              }).release();
   });
 }
 
 void kvcache_destroy(kvcache_cache* cache) { delete cache; }
 
-kvcache_variant kvcache_variant_of(const kvcache_cache* cache) { return cache->variant(); }
-kvcache_format kvcache_format_of(const kvcache_cache* cache) { return cache->format(); }
-size_t kvcache_layers(const kvcache_cache* cache) { return cache->layers(); }
-size_t kvcache_capacity(const kvcache_cache* cache) { return cache->capacity(); }
-size_t kvcache_bytes(const kvcache_cache* cache) { return cache->bytes(); }
+kvcache_variant kvcache_variant_of(const kvcache_cache* cache) {
+  return cache == nullptr ? KVCACHE_VARIANT_COUNT : cache->variant();
+}
+kvcache_format kvcache_format_of(const kvcache_cache* cache) {
+  return cache == nullptr ? KVCACHE_FORMAT_COUNT : cache->format();
+}
+size_t kvcache_layers(const kvcache_cache* cache) { return cache == nullptr ? 0 : cache->layers(); }
+size_t kvcache_capacity(const kvcache_cache* cache) { return cache == nullptr ? 0 : cache->capacity(); }
+size_t kvcache_bytes(const kvcache_cache* cache) { return cache == nullptr ? 0 : cache->bytes(); }
 
 kvcache_status kvcache_update(kvcache_cache* cache, size_t layer, const kvcache_tensor* k, const kvcache_tensor* v,
                               const int64_t* positions) {
@@ -362,7 +364,7 @@ kvcache_status kvcache_pool_create(kvcache_format format, const kvcache_pool_con
     const std::size_t scales = config->layers * config->kv_heads;
     if (config->key_scales != nullptr) c.key_scales = std::span<const float>(config->key_scales, scales);
     if (config->value_scales != nullptr) c.value_scales = std::span<const float>(config->value_scales, scales);
-    *pool = kvcache::c_api::with_format("kvcache_pool_create", format, [&]<class T>() {
+    *pool = kvcache::c_api::with_format("kvcache_pool_create", kvcache::c_api::as_int(format), [&]<class T>() {
               return kvcache::c_api::make_pool<T>(c);
             }).release();
   });
@@ -389,8 +391,8 @@ kvcache_status kvcache_pool_sequence(kvcache_pool* pool, kvcache_cache** sequenc
   });
 }
 
-size_t kvcache_pool_free_blocks(const kvcache_pool* pool) { return pool->free_blocks(); }
-size_t kvcache_pool_bytes(const kvcache_pool* pool) { return pool->bytes(); }
+size_t kvcache_pool_free_blocks(const kvcache_pool* pool) { return pool == nullptr ? 0 : pool->free_blocks(); }
+size_t kvcache_pool_bytes(const kvcache_pool* pool) { return pool == nullptr ? 0 : pool->bytes(); }
 
 kvcache_status kvcache_pool_shrink_to_fit(kvcache_pool* pool) {
   return guarded([&] {
