@@ -6,7 +6,7 @@ set -euo pipefail
 
 packages=("$@")
 if [ ${#packages[@]} -eq 0 ]; then
-  packages=(g++ cmake make git libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev libhiredis-dev clang-format)
+  packages=(g++ cmake make git pkg-config libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev libhiredis-dev clang-format)
 fi
 
 missing=()

@@ -6,7 +6,7 @@
 // recomputing it. A store maps content keys to immutable, checksummed block records:
 //
 //   kvcache::FileBlockStore store({.directory = "/var/cache/kvcache", .model = "Qwen3-0.6B@c1899de"});
-//   kvcache::PagedKvCache<Eigen::bfloat16> seq(pool);
+//   kvcache::PagedKvCache<kvcache::bfloat16> seq(pool);
 //   const kvcache::PrefixReuse hit = seq.reuse_prefix(prompt, store);  // pool first, then the store
 //   model.forward(std::span(prompt).subspan(hit.tokens), seq);           // the rest of the prompt
 //   seq.save_prefix(store);                                              // its full blocks, for others
@@ -32,8 +32,10 @@
 #include <utility>
 
 #include "kvcache/detail/sha256.hpp"
+#include "kvcache/version.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// A block's key in a store: 128 bits (block_key), written as 32 lowercase hex digits.
 struct BlockKey {
@@ -119,4 +121,5 @@ struct PrefixSave {
   std::string error;        // why writing stopped before the sequence's last full block; empty for none
 };
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

@@ -13,6 +13,7 @@
 
 #include "kvcache/block_store.hpp"
 #include "kvcache/detail/atomic_file.hpp"
+#include "kvcache/version.hpp"
 
 #if defined(KVCACHE_POSIX_FILES)
 #include <fcntl.h>
@@ -23,6 +24,7 @@
 #endif
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// Where a FileBlockStore keeps its records and which model's blocks it holds.
 struct FileBlockStoreConfig {
@@ -175,4 +177,5 @@ class FileBlockStore {
 
 static_assert(BlockStore<FileBlockStore>);
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

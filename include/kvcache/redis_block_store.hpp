@@ -20,8 +20,10 @@
 #include <vector>
 
 #include "kvcache/block_store.hpp"
+#include "kvcache/version.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// Which server a RedisBlockStore uses and which model's blocks it holds.
 struct RedisBlockStoreConfig {
@@ -220,4 +222,5 @@ class RedisBlockStore {
 
 static_assert(BlockStore<RedisBlockStore>);
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

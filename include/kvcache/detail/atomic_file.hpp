@@ -29,7 +29,11 @@
 #include <fstream>
 #endif
 
-namespace kvcache::detail {
+#include "kvcache/version.hpp"
+
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// strerror's text for `error`, thread-safe.
 inline std::string error_text(int error) { return std::error_code(error, std::generic_category()).message(); }
@@ -236,4 +240,6 @@ class AtomicFile {
 
 #endif
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache

@@ -32,8 +32,11 @@
 #include "kvcache/detail/row_store.hpp"
 #include "kvcache/detail/sha256.hpp"
 #include "kvcache/state_file.hpp"
+#include "kvcache/version.hpp"
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 inline constexpr std::array<char, 8> kBlockMagic = {'\x89', 'K', 'V', 'B', '\r', '\n', '\x1a', '\n'};
 inline constexpr std::uint32_t kBlockRecordVersion = 1;
@@ -295,4 +298,6 @@ void copy_block_rows(std::span<const std::string_view> layers, std::vector<RowSt
   }
 }
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache

@@ -11,7 +11,11 @@
 #include <cstring>
 #include <span>
 
-namespace kvcache::detail {
+#include "kvcache/version.hpp"
+
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// An incremental SHA-256: update() with bytes, then digest() once.
 class Sha256 {
@@ -97,4 +101,6 @@ class Sha256 {
   std::uint64_t bytes_ = 0;
 };
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache
