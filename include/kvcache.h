@@ -83,8 +83,9 @@ typedef enum kvcache_dtype { KVCACHE_DTYPE_F32 = 0, KVCACHE_DTYPE_BF16 = 1, KVCA
 
 /* How a cache is sized (kvcache::KvCacheConfig). capacity: the most tokens a sequence (a slot)
  * may reach, required but for a ring (0: unbounded). window, sinks, slack: a ring's. batch: 0
- * is 1. key_scales, value_scales: for fp8_e4m3, layers x kv_heads calibrated scales each,
- * layer-major, copied; NULL: each head's is set by its first update. */
+ * is 1. key_scales, value_scales: for a format with static scales per (layer, kv head),
+ * layers x kv_heads each, layer-major, copied; NULL for every format here (fp8_e4m3 and
+ * int8_rows scale each row themselves). */
 typedef struct kvcache_config {
   size_t layers, batch, kv_heads, head_dim, capacity, window, sinks, slack;
   const float* key_scales;

@@ -23,9 +23,11 @@
 
 #include "kvcache/codec.hpp"
 #include "kvcache/detail/checks.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// K and V scales per (layer, kv head), layer-major, as KvCacheConfig's key_scales and
 /// value_scales take them.
@@ -94,4 +96,5 @@ template <class T, class Cache>
   return out;
 }
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

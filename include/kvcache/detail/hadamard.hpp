@@ -11,7 +11,11 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace kvcache::detail {
+#include "kvcache/version.hpp"
+
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// The largest block the transform mixes.
 inline constexpr std::size_t kMaxRotationBlock = 256;
@@ -61,4 +65,6 @@ inline void unrotate_head(float* x, std::size_t first, std::size_t count, std::s
   for (std::size_t i = 0; i < count; ++i) x[i] *= rotation_sign(first + i);
 }
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache
