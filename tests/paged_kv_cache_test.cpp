@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "cache_test_support.hpp"
+#include "kvcache/attention.hpp"
+#include "kvcache/paged_batch.hpp"
 
 namespace kvcache::testing {
 namespace {
@@ -27,8 +29,12 @@ class Paged : public ::testing::Test {
   using In = input_t<T>;
   static constexpr std::size_t layers = 2, kv_heads = 2, head_dim = 8, block = 4;
 
-  static BlockPool<T> make_pool(std::size_t blocks) { return BlockPool<T>(test_pool_config(blocks)); }
-  static BlockPoolConfig test_pool_config(std::size_t blocks) {
+  static BlockPool<T> make_pool(std::size_t blocks, std::size_t window = 0, std::size_t sinks = 0,
+                                std::size_t slack = 0) {
+    return BlockPool<T>(test_pool_config(blocks, window, sinks, slack));
+  }
+  static BlockPoolConfig test_pool_config(std::size_t blocks, std::size_t window = 0, std::size_t sinks = 0,
+                                          std::size_t slack = 0) {
     const KvCacheConfig c = test_config<T>({.layers = layers, .kv_heads = kv_heads, .head_dim = head_dim});
     return {.layers = layers,
             .kv_heads = kv_heads,
@@ -36,6 +42,9 @@ class Paged : public ::testing::Test {
             .block_tokens = block,
             .blocks = blocks,
             .capacity = 64,
+            .window = window,
+            .sinks = sinks,
+            .slack = slack,
             .key_scales = c.key_scales,
             .value_scales = c.value_scales};
   }
@@ -74,6 +83,22 @@ class Paged : public ::testing::Test {
     ASSERT_EQ(seq.length(), n);
     for (std::size_t layer = 0; layer < layers; ++layer)
       EXPECT_EQ(flatten(seq.history(layer)), expected(ids, n, layer));
+  }
+
+  /// Checks what a history of `layer` holds against a sequence fed ids[0, n): the rows of the
+  /// positions it returns, and every position a query at n reads (the sinks and the window).
+  static void expect_window(const std::map<std::int64_t, Row>& held, std::span<const TokenId> ids, std::size_t n,
+                            std::size_t layer, std::size_t window, std::size_t sinks) {
+    const auto want = expected(ids, n, layer);
+    for (const auto& [p, row] : held) {
+      ASSERT_TRUE(want.count(p)) << "position " << p << " of " << n;
+      ASSERT_EQ(row, want.at(p)) << "position " << p;
+    }
+    for (std::size_t p = 0; p < n; ++p) {
+      if (window == 0 || p < sinks || p + window > n) {
+        ASSERT_TRUE(held.count(static_cast<std::int64_t>(p))) << "position " << p << " of " << n;
+      }
+    }
   }
 };
 
@@ -338,9 +363,13 @@ TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsist
                                                      ids({1, 2, 3, 4})};
   const auto token = [&] { return static_cast<TokenId>(pick(1, 3)); };
   std::size_t hits = 0, whole = 0, out_of_blocks = 0, forks = 0, generated = 0, refused = 0;  // what the runs reached
-  for (int run = 0; run < 30; ++run) {
+  std::size_t batches = 0, given_back = 0, refused_truncates = 0;
+  for (int run = 0; run < 40; ++run) {
     SCOPED_TRACE("run " + std::to_string(run));
-    auto pool = this->make_pool(pick(5, 12));
+    // Every other run in a pool with a window: its sequences give back the blocks before it.
+    const std::size_t window = run % 2 == 1 ? pick(2, 9) : 0, sinks = window != 0 ? pick(0, 2) : 0;
+    const std::size_t slack = window != 0 ? pick(0, 3) : 0;
+    auto pool = this->make_pool(pick(5, 12), window, sinks, slack);
     struct Live {
       std::unique_ptr<Seq> seq;
       std::vector<TokenId> ids;  // the tokens it holds and will be fed, position by position
@@ -350,7 +379,7 @@ TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsist
     std::vector<std::vector<TokenId>> served = prompts;
     const auto held = [](const Seq& seq) { return std::max(seq.length(0), seq.length(1)); };
     for (int op = 0; op < 80; ++op) {
-      const std::size_t kind = pick(0, 11);
+      const std::size_t kind = pick(0, 12);
       if (kind <= 1 && live.size() < 4) {  // a new sequence, through a prefix hit where there is one
         Live l{std::make_unique<Seq>(pool), served[pick(0, served.size() - 1)]};
         l.ids.resize(pick(1, l.ids.size()));
@@ -361,7 +390,7 @@ TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsist
         if (skip != 0) ++hits;
         if (skip != 0 && skip + 1 == l.ids.size()) ++whole;
         live.push_back(std::move(l));
-      } else if ((kind <= 5 || kind >= 10) && !live.empty()) {  // feed tokens, the pass maybe stopped part-way
+      } else if ((kind <= 5 || kind == 10) && !live.empty()) {  // feed tokens, the pass maybe stopped part-way
         Live& l = live[pick(0, live.size() - 1)];
         std::size_t from = 0;
         try {
@@ -400,7 +429,19 @@ TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsist
         Live& l = live[pick(0, live.size() - 1)];
         const std::size_t n = pick(0, std::min(l.seq->length(0), l.seq->length(1)));
         const std::size_t known = l.seq->token_ids().size();
-        l.seq->truncate(n);
+        if (window != 0) {  // it may have given back what a query at n reads: then nothing changes
+          const std::size_t free = pool.free_blocks(), length0 = l.seq->length(0);
+          try {
+            l.seq->truncate(n);
+          } catch (const std::out_of_range&) {
+            ASSERT_EQ(pool.free_blocks(), free);
+            ASSERT_EQ(l.seq->length(0), length0);
+            ++refused_truncates;
+            continue;
+          }
+        } else {
+          l.seq->truncate(n);
+        }
         ASSERT_EQ(l.seq->token_ids().size(), std::min(n, known));
         if (pick(0, 1) == 0) {
           for (std::size_t p = n; p < l.ids.size(); ++p) l.ids[p] = token();
@@ -414,6 +455,49 @@ TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsist
           ASSERT_EQ(pool.keyed_blocks(), keyed);
           ++refused;
         }
+      } else if (kind >= 11 && live.size() > 1) {  // several sequences a token each, in one batch update
+        std::vector<PagedKvCache<TypeParam>*> members;
+        std::vector<Live*> fed;
+        for (Live& l : live) {
+          const std::size_t n = l.seq->length(0);
+          if (l.seq->length(1) != n || pick(0, 3) == 0) continue;
+          if (n == l.ids.size()) {  // its next token, with its id given first
+            l.ids.push_back(token());
+            if (l.seq->token_ids().size() == n) l.seq->add_token_ids(std::span(l.ids).subspan(n));
+          }
+          members.push_back(l.seq.get());
+          fed.push_back(&l);
+        }
+        if (members.empty()) continue;
+        PagedBatch<TypeParam> batch(members);
+        for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) {
+          Block<typename TestFixture::In> k({members.size(), TestFixture::kv_heads, 1, TestFixture::head_dim}, 0);
+          Block<typename TestFixture::In> v = k;
+          std::vector<std::int64_t> positions;
+          for (std::size_t i = 0; i < fed.size(); ++i) {
+            const std::size_t p = fed[i]->seq->length(layer);
+            const auto rows_k = this->rows_after(fed[i]->ids, p, 2 * layer);
+            const auto rows_v = this->rows_after(fed[i]->ids, p, 2 * layer + 1);
+            std::copy(rows_k.data.begin(), rows_k.data.end(),
+                      k.data.begin() + static_cast<std::ptrdiff_t>(i * rows_k.data.size()));
+            std::copy(rows_v.data.begin(), rows_v.data.end(),
+                      v.data.begin() + static_cast<std::ptrdiff_t>(i * rows_v.data.size()));
+            positions.push_back(static_cast<std::int64_t>(p));
+          }
+          History<TypeParam> history;
+          try {
+            history = batch.update(layer, k.view(), v.view(), Positions(positions.data(), 1, 1));
+          } catch (const std::length_error&) {
+            ++out_of_blocks;  // no sequence changed in this layer; earlier layers stay written
+            for (std::size_t i = 0; i < fed.size(); ++i)
+              ASSERT_EQ(fed[i]->seq->length(layer), static_cast<std::size_t>(positions[i]));
+            break;
+          }
+          for (std::size_t i = 0; i < fed.size(); ++i) {
+            this->expect_window(flatten_row(history, i), fed[i]->ids, fed[i]->seq->length(layer), layer, window, sinks);
+          }
+          ++batches;
+        }
       } else if (kind == 9 && !live.empty()) {  // finish: the sequence goes, its tokens a prompt
         const std::size_t i = pick(0, live.size() - 1);
         const std::size_t n = std::min(l_length(*live[i].seq), live[i].ids.size());
@@ -423,12 +507,17 @@ TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsist
       ASSERT_NO_THROW(pool.check_invariants());
       for (Live& l : live) {
         for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) {
-          ASSERT_EQ(flatten(l.seq->history(layer)), this->expected(l.ids, l.seq->length(layer), layer))
-              << "layer " << layer;
+          SCOPED_TRACE("layer " + std::to_string(layer));
+          this->expect_window(flatten(l.seq->history(layer)), l.ids, l.seq->length(layer), layer, window, sinks);
         }
+        given_back += static_cast<std::size_t>(
+            std::count(l.seq->block_table().begin(), l.seq->block_table().end(), PagedKvCache<TypeParam>::kReleased));
       }
     }
   }
+  EXPECT_GT(batches, 50U);
+  EXPECT_GT(given_back, 50U);
+  EXPECT_GT(refused_truncates, 3U);
   EXPECT_GT(hits, 20U);
   EXPECT_GT(whole, 5U);
   EXPECT_GT(out_of_blocks, 10U);

@@ -19,7 +19,7 @@ struct PoolHolder {
 };
 
 /// One sequence in a pool of blocks of `kPooledBlockTokens` tokens, enough of them for the
-/// config's capacity (batch 1: a paged sequence is one row).
+/// config's capacity (batch 1: a paged sequence is one row), with the config's window.
 inline constexpr std::size_t kPooledBlockTokens = 4;
 
 template <class T>
@@ -33,6 +33,9 @@ class PooledSequence : private PoolHolder<T>, public PagedKvCache<T> {
                             .block_tokens = kPooledBlockTokens,
                             .blocks = (c.capacity + kPooledBlockTokens - 1) / kPooledBlockTokens + 1,
                             .capacity = c.capacity,
+                            .window = c.window,
+                            .sinks = c.sinks,
+                            .slack = c.slack,
                             .key_scales = c.key_scales,
                             .value_scales = c.value_scales})},
         PagedKvCache<T>(*this->pool) {}

@@ -14,6 +14,7 @@
 #include "kvcache/float16.hpp"
 #include "kvcache/formats.hpp"
 #include "kvcache/kv_cache.hpp"
+#include "kvcache/paged_batch.hpp"
 #include "kvcache/paged_kv_cache.hpp"
 #include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"

@@ -33,8 +33,11 @@ inline namespace KVCACHE_ABI {
 ///   kvcache::BlockPool<kvcache::bfloat16> pool({.layers = 28, .kv_heads = 8, .head_dim = 128, .blocks = 4096});
 ///
 /// `blocks` blocks of `block_tokens` tokens each, in every layer. `capacity` is the most tokens
-/// one sequence may reach (0: every block's worth). Scales as KvCacheConfig's, shared by every
-/// sequence of the pool.
+/// one sequence may reach (0: every block's worth; without a bound for a pool with a window).
+/// `window`, `sinks` and `slack` are RingKvCache's, for every sequence of the pool: attention
+/// reads the last `window` positions and the first `sinks`, and a sequence gives back the blocks
+/// wholly before its window (keeping `slack` positions more, so that truncate() can roll back
+/// that far). Scales as KvCacheConfig's, shared by every sequence of the pool.
 struct BlockPoolConfig {
   Count<"BlockPoolConfig.layers"> layers = 0;
   Count<"BlockPoolConfig.kv_heads"> kv_heads = 0;
@@ -42,6 +45,9 @@ struct BlockPoolConfig {
   Count<"BlockPoolConfig.block_tokens"> block_tokens = 16;
   Count<"BlockPoolConfig.blocks"> blocks = 0;
   Count<"BlockPoolConfig.capacity"> capacity = 0;
+  Count<"BlockPoolConfig.window"> window = 0;
+  Count<"BlockPoolConfig.sinks"> sinks = 0;
+  Count<"BlockPoolConfig.slack"> slack = 0;
   std::span<const float> key_scales{};
   std::span<const float> value_scales{};
 };
@@ -51,6 +57,8 @@ using TokenId = std::int32_t;
 
 template <class T>
 class PagedKvCache;
+template <class T>
+class PagedBatch;
 
 /// A fixed pool of blocks of K and V shared by PagedKvCache sequences: a block holds
 /// `block_tokens` consecutive tokens of one sequence in every layer, stored in format T.
@@ -79,6 +87,9 @@ class BlockPool : private detail::CacheBase {
         block_tokens_(config.block_tokens),
         blocks_(config.blocks),
         capacity_(config.capacity),
+        window_(config.window),
+        sinks_(config.sinks),
+        slack_(config.slack),
         meta_(blocks_) {
     if (config.block_tokens > std::numeric_limits<std::size_t>::max() / blocks_) {
       throw std::length_error("BlockPool: config.blocks x block_tokens: expected to fit in std::size_t, given " +
@@ -90,9 +101,8 @@ class BlockPool : private detail::CacheBase {
     scales.key_scales = config.key_scales;
     scales.value_scales = config.value_scales;
     init_scales<T>(scales);
-    if (capacity_ == 0) capacity_ = blocks_ * block_tokens_;
-    positions_.resize(capacity_);
-    std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
+    if (capacity_ == 0) capacity_ = window_ != 0 ? std::numeric_limits<std::size_t>::max() : blocks_ * block_tokens_;
+    positions_.resize(blocks_ * block_tokens_);
     rows_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(1, kv_heads(), head_dim(), blocks_ * block_tokens_);
     for (std::size_t b = 0; b < blocks_; ++b) {
@@ -117,6 +127,11 @@ class BlockPool : private detail::CacheBase {
   [[nodiscard]] std::size_t keyed_blocks() const noexcept { return keyed_.size(); }
   /// The most tokens one sequence may reach.
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
+  /// The window every sequence attends (0: none), the positions it keeps visible through it, and
+  /// the positions older than it a sequence keeps for truncate().
+  [[nodiscard]] std::size_t window() const noexcept { return window_; }
+  [[nodiscard]] std::size_t sinks() const noexcept { return sinks_; }
+  [[nodiscard]] std::size_t slack() const noexcept { return slack_; }
   /// Bytes of every block's K and V (and scales).
   [[nodiscard]] std::size_t bytes() const noexcept {
     std::size_t total = scale_bytes();
@@ -156,6 +171,7 @@ class BlockPool : private detail::CacheBase {
     std::vector<std::size_t> held(blocks_, 0);
     for (const PagedKvCache<T>* s : sequences_) {
       for (const std::size_t b : s->table_) {
+        if (b == PagedKvCache<T>::kReleased) continue;
         if (b >= blocks_) fail("a table holds block " + std::to_string(b) + " of " + std::to_string(blocks_));
         ++held[b];
       }
@@ -187,6 +203,10 @@ class BlockPool : private detail::CacheBase {
           fail("block " + std::to_string(b) + " is keyed without the ids of every row");
         if (chain_key(m.parent, m.ids) != m.key) fail("block " + std::to_string(b) + "'s ids do not hash to its key");
       }
+      for (std::size_t i = 1; i < block_tokens_ && m.count != 0; ++i) {
+        if (positions_[b * block_tokens_ + i] != positions_[b * block_tokens_] + static_cast<std::int64_t>(i))
+          fail("block " + std::to_string(b) + "'s positions do not follow one another");
+      }
     }
     if (used + free_.size() != blocks_) {
       fail("held " + std::to_string(used) + " + free " + std::to_string(free_.size()) + " != total " +
@@ -199,6 +219,7 @@ class BlockPool : private detail::CacheBase {
 
  private:
   friend class PagedKvCache<T>;
+  friend class PagedBatch<T>;
 
   struct Meta {
     std::size_t count = 0;  // tables holding the block
@@ -216,7 +237,41 @@ class BlockPool : private detail::CacheBase {
     const detail::Geometry g = detail::check_config("BlockPool", k);
     if (c.block_tokens == 0) throw std::invalid_argument("BlockPool: config.block_tokens: expected > 0, given 0");
     if (c.blocks == 0) throw std::invalid_argument("BlockPool: config.blocks: expected > 0, given 0");
+    if (c.window == 0 && (c.sinks != 0 || c.slack != 0)) {
+      throw std::invalid_argument("BlockPool: config.sinks/slack: expected 0 without a window, given " +
+                                  std::to_string(c.sinks) + "/" + std::to_string(c.slack));
+    }
     return g;
+  }
+
+  /// The reference counts and free blocks that a batch of writes would leave, so that all of
+  /// them are checked before any is made.
+  class Counts {
+   public:
+    explicit Counts(const BlockPool& pool) : pool_(pool), free_(pool.free_blocks()) {}
+    [[nodiscard]] std::size_t count(std::size_t b) const {
+      const auto it = changed_.find(b);
+      return it == changed_.end() ? pool_.meta_[b].count : it->second;
+    }
+    /// A table lets go of b (a block given back, or a shared one copied).
+    void leave(std::size_t b) {
+      const std::size_t n = count(b) - 1;
+      changed_[b] = n;
+      if (n == 0) ++free_;
+    }
+    [[nodiscard]] std::size_t free() const noexcept { return free_; }
+    void take(std::size_t n) noexcept { free_ -= n; }
+
+   private:
+    const BlockPool& pool_;
+    std::size_t free_;
+    std::unordered_map<std::size_t, std::size_t> changed_;
+  };
+
+  /// Block b now holds positions [first, first + block_tokens) of the sequences that hold it.
+  void place(std::size_t b, std::size_t first) noexcept {
+    std::int64_t* p = positions_.data() + b * block_tokens_;
+    for (std::size_t i = 0; i < block_tokens_; ++i) p[i] = static_cast<std::int64_t>(first + i);
   }
 
   /// The key of a full block of `ids` after the block keyed `parent` (0 for the first).
@@ -252,6 +307,19 @@ class BlockPool : private detail::CacheBase {
     if (--m.count != 0) return;
     // Keyed blocks wait at the back for reuse; the others go first.
     m.free_at = m.keyed ? free_.insert(free_.end(), b) : free_.insert(free_.begin(), b);
+  }
+  /// drop(b) for a block a window leaves behind after `parent`, given back before it: if the
+  /// parent still waits keyed in the free list, b goes just ahead of it, so that eviction takes
+  /// the chain's tail before its root as when a whole sequence goes.
+  void drop_after(std::size_t b, std::size_t parent) noexcept {
+    Meta& m = meta_[b];
+    if (m.count == 1 && m.keyed && parent < blocks_ && meta_[parent].count == 0 && meta_[parent].keyed &&
+        meta_[parent].key == m.parent) {
+      m.count = 0;
+      m.free_at = free_.insert(meta_[parent].free_at, b);
+      return;
+    }
+    drop(b);
   }
   void forget_key(std::size_t b) noexcept {
     Meta& m = meta_[b];
@@ -292,28 +360,34 @@ class BlockPool : private detail::CacheBase {
       return blocks_;
     return it->second;
   }
-  /// Copies block `from`'s rows of every layer, and the ids they were written with, into block `to`.
+  /// Copies block `from`'s rows of every layer, and the ids and positions they were written
+  /// with, into block `to`.
   void copy_block(std::size_t from, std::size_t to) {
     for (auto& r : rows_) r.copy(r, from * block_tokens_, block_tokens_, to * block_tokens_);
     meta_[to].ids = meta_[from].ids;
+    std::copy_n(positions_.begin() + static_cast<std::ptrdiff_t>(from * block_tokens_), block_tokens_,
+                positions_.begin() + static_cast<std::ptrdiff_t>(to * block_tokens_));
   }
 
   std::size_t block_tokens_;
   std::size_t blocks_;
   std::size_t capacity_;
+  std::size_t window_, sinks_, slack_;
   // Per layer, [1, H_kv, blocks x block_tokens, D]: a head's blocks lie in block order, so a
   // table of consecutive blocks is read like a contiguous history.
   std::vector<detail::RowStore<T>> rows_;
   std::vector<Meta> meta_;
   std::list<std::size_t> free_;
   std::unordered_map<std::uint64_t, std::size_t> keyed_;
-  std::vector<std::int64_t> positions_;            // 0, 1, ..., capacity - 1
+  std::vector<std::int64_t> positions_;            // [blocks, block_tokens]: the position each row holds
   std::vector<const PagedKvCache<T>*> sequences_;  // for check_invariants
   std::vector<std::string> fetched_;               // a store fetch's records, their memory kept for the next
 };
 
 /// One sequence in a BlockPool, following the protocol like KvCache: a model runs over it
-/// unchanged. Its history is a segment per block, read in place.
+/// unchanged. Its history is a segment per block, read in place. In a pool with a window, the
+/// sequence gives back the blocks wholly before its window (its sinks' blocks stay), so what it
+/// holds is bounded by the window however long it runs.
 ///
 ///   kvcache::BlockPool<float> pool({.layers = 28, .kv_heads = 8, .head_dim = 128, .blocks = 4096});
 ///   kvcache::PagedKvCache<float> seq(pool);
@@ -330,6 +404,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   explicit PagedKvCache(BlockPool<T>& pool)
       : CacheBase("PagedKvCache", {pool.layers(), 1, pool.kv_heads(), pool.head_dim()}),
         pool_(&pool),
+        needs_(pool.layers(), 0),
         segments_(pool.layers()) {
     pool_->sequences_.push_back(this);
   }
@@ -341,6 +416,9 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
         table_(std::move(other.table_)),
         ids_(std::move(other.ids_)),
         keys_(std::move(other.keys_)),
+        needs_(std::move(other.needs_)),
+        given_back_(other.given_back_),
+        last_given_back_(other.last_given_back_),
         segments_(std::move(other.segments_)),
         refetch_from_(other.refetch_from_) {
     other.table_.clear();
@@ -356,6 +434,9 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       other.table_.clear();
       ids_ = std::move(other.ids_);
       keys_ = std::move(other.keys_);
+      needs_ = std::move(other.needs_);
+      given_back_ = other.given_back_;
+      last_given_back_ = other.last_given_back_;
       segments_ = std::move(other.segments_);
       refetch_from_ = other.refetch_from_;
       if (pool_ != nullptr)
@@ -371,7 +452,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   [[nodiscard]] std::size_t capacity() const noexcept { return pool_ == nullptr ? 0 : pool_->capacity(); }
   /// Bytes of the blocks this sequence holds (shared ones too).
   [[nodiscard]] std::size_t bytes() const noexcept {
-    return pool_ == nullptr ? 0 : table_.size() * pool_->block_bytes();
+    return pool_ == nullptr ? 0 : (table_.size() - given_back_) * pool_->block_bytes();
   }
   /// The pool's saturated values and head scales: the pool's blocks share the static scale per
   /// (layer, kv head) its config gave, for formats that keep one.
@@ -379,17 +460,24 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   [[nodiscard]] std::vector<float> head_scales(bool values) const {
     return pool_ == nullptr ? std::vector<float>{} : pool_->head_scales(values);
   }
-  /// The blocks this sequence holds, in order.
+  /// What block_table() shows for a block a windowed sequence gave back.
+  static constexpr std::size_t kReleased = ~std::size_t{0};
+  /// The blocks of the sequence's tokens, in order: entry j holds positions [j x block_tokens,
+  /// (j + 1) x block_tokens). A windowed sequence's blocks given back show kReleased.
   [[nodiscard]] std::span<const std::size_t> block_table() const noexcept { return table_; }
 
   /// Forgets everything after `length` tokens in every layer, and the ids of the tokens past
-  /// it, giving back the blocks past it. std::out_of_range if a layer holds fewer.
+  /// it, giving back the blocks past it. std::out_of_range if a layer holds fewer, or if a
+  /// windowed sequence gave back blocks of positions a query at `length` reads (`slack` in the
+  /// pool's config keeps them for rollbacks that short); nothing changes then.
   void truncate(std::size_t length) {
     check_truncate(length);
+    if (pool_ == nullptr) return set_all_lengths(length);  // moved from
+    check_window_truncate("PagedKvCache::truncate", length);
     set_all_lengths(length);
-    if (pool_ == nullptr) return;  // moved from
     ids_.resize(std::min(ids_.size(), length));
     keys_.resize(std::min(keys_.size(), length / block()));
+    std::fill(needs_.begin(), needs_.end(), window_start(length));
     shrink_table();
   }
   /// The pool's shrink_to_fit(): gives back the memory of its free blocks that hold no reusable
@@ -403,6 +491,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     set_all_lengths(0);
     ids_.clear();
     keys_.clear();
+    std::fill(needs_.begin(), needs_.end(), 0);
     refetch_from_ = kNone;
     shrink_table();
   }
@@ -412,8 +501,11 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   /// of those this sequence was given beyond them (add_token_ids gives it its own).
   [[nodiscard]] PagedKvCache fork() const {
     PagedKvCache copy(*pool_);
-    for (const std::size_t b : table_) pool_->hold(b);
+    for (const std::size_t b : table_)
+      if (b != kReleased) pool_->hold(b);
     copy.table_ = table_;
+    copy.needs_ = needs_;
+    copy.given_back_ = given_back_;
     // Ids of tokens not yet held stay with this sequence: a fork may continue differently.
     const std::size_t held = held_tokens();
     copy.ids_.assign(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(std::min(held, ids_.size())));
@@ -493,13 +585,15 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   /// Writes this sequence's full keyed blocks (those whose every token id it knows) to `store`,
   /// past the leading ones the store already holds, so that other processes find them; a block
   /// the last reuse_prefix(prompt, store) found corrupt there is written again. Call it once a
-  /// prompt's prefill is done: a write never happens inside update(). Never throws for a fault of
-  /// the store: the result's `error` names it, and the records written before it stay (each
-  /// whole). The sequence and the pool are unchanged either way.
+  /// prompt's prefill is done: a write never happens inside update(), and a windowed sequence
+  /// writes none past the first block it gave back. Never throws for a fault of the store: the
+  /// result's `error` names it, and the records written before it stay (each whole). The
+  /// sequence and the pool are unchanged either way.
   template <BlockStore Store>
   PrefixSave save_prefix(Store& store) const {
     PrefixSave result;
-    const std::size_t b = block(), full = std::min(keys_.size(), ids_.size() / b);
+    const std::size_t b = block();
+    const std::size_t full = std::min({keys_.size(), ids_.size() / b, given_back_ != 0 ? sink_blocks() : kNone});
     std::vector<BlockKey> keys;
     std::size_t done = 0, attempted = 0;
     try {
@@ -554,34 +648,173 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   /// ahead of them.
   [[nodiscard]] std::span<const TokenId> token_ids() const noexcept { return ids_; }
 
-  /// The layer's history as update() returns it, without writing: a segment per block.
+  /// The layer's history as update() returns it, without writing: a segment per block, those
+  /// of the sinks and those from the window of the layer's last update on.
   [[nodiscard]] History<T> history(std::size_t layer) {
     const std::size_t end = length(layer);
     const std::size_t b = block();
     auto& segments = segments_[layer];
     segments.clear();
     for (std::size_t j = 0; j * b < end; ++j) {
+      if (!reads(layer, j)) continue;
       const std::size_t n = std::min(b, end - j * b);
-      segments.push_back(pool_->rows_[layer].segment(table_[j] * b, n, Positions(pool_->positions_.data() + j * b, n),
+      const std::size_t at = table_[j] * b;
+      segments.push_back(pool_->rows_[layer].segment(at, n, Positions(pool_->positions_.data() + at, n),
                                                      pool_->head_scale_view(layer)));
     }
-    return {std::span<const Segment<T>>(segments)};
+    return {std::span<const Segment<T>>(segments), pool_->window(), pool_->sinks()};
   }
 
  private:
   friend class detail::ComputeTypeUpdates<PagedKvCache<T>, T>;
   friend class BlockPool<T>;
+  friend class PagedBatch<T>;
 
   [[nodiscard]] std::size_t block() const noexcept { return pool_->block_tokens(); }
+
+  /// The first position other than a sink that a query at `position` reads.
+  [[nodiscard]] std::size_t window_start(std::size_t position) const noexcept {
+    const std::size_t w = pool_->window();
+    return w != 0 && position + 1 > w ? position + 1 - w : 0;
+  }
+  /// Blocks holding sinks: kept whatever the window.
+  [[nodiscard]] std::size_t sink_blocks() const noexcept {
+    return pool_->window() == 0 ? 0 : (pool_->sinks() + block() - 1) / block();
+  }
+  /// Whether the layer's history reads block j (held): a sink's, or one that reaches the window
+  /// of its last update.
+  [[nodiscard]] bool reads(std::size_t layer, std::size_t j) const noexcept {
+    return table_[j] != kReleased && (j < sink_blocks() || (j + 1) * block() > needs_[layer]);
+  }
+  /// The blocks [first, end) an update of `layer` from position `start` gives back: those wholly
+  /// before every layer's window (less the slack), past the sinks' and those given back already.
+  [[nodiscard]] std::pair<std::size_t, std::size_t> releases(std::size_t layer, std::size_t start) const noexcept {
+    const std::size_t first = sink_blocks() + given_back_;
+    if (pool_->window() == 0) return {first, first};
+    std::size_t bound = std::max(needs_[layer], window_start(start));
+    for (std::size_t l = 0; l < layers(); ++l)
+      if (l != layer) bound = std::min(bound, needs_[l]);
+    bound = bound > pool_->slack() ? bound - pool_->slack() : 0;
+    return {first, std::max(first, std::min(bound / block(), table_.size()))};
+  }
+
+  /// std::out_of_range unless a windowed sequence still holds what a query at `length` reads:
+  /// the blocks it gave back hold positions before that query's window.
+  void check_window_truncate(const char* call, std::size_t length) const {
+    if (given_back_ == 0) return;
+    const std::size_t b = block(), gap_begin = sink_blocks() * b, gap_end = (sink_blocks() + given_back_) * b;
+    if (length <= gap_begin || std::max(pool_->sinks(), window_start(length)) >= gap_end) return;
+    throw std::out_of_range(detail::expected_given(
+        std::string(call) + ": length",
+        ">= " + std::to_string(gap_end + pool_->window() - 1) + " or <= " + std::to_string(gap_begin) +
+            " (the blocks of positions [" + std::to_string(gap_begin) + ", " + std::to_string(gap_end) +
+            ") were given back; a query reads the " + std::to_string(pool_->window()) + " positions up to itself)",
+        std::to_string(length)));
+  }
+
+  /// Checks that an update of `layer` writing `tokens` from `start` finds its blocks in `counts`
+  /// (free ones, and those it gives back), and takes them there; std::length_error naming the
+  /// blocks needed and free otherwise. `what()` names the call for the message.
+  template <class What>
+  void check_blocks(std::size_t layer, std::size_t start, std::size_t tokens, typename BlockPool<T>::Counts& counts,
+                    const What& what) const {
+    const auto [first_release, end_release] = releases(layer, start);
+    for (std::size_t j = first_release; j < end_release; ++j) counts.leave(table_[j]);
+    std::size_t needed = 0;
+    const std::size_t b = block();
+    for (std::size_t j = start / b; tokens != 0 && j <= (start + tokens - 1) / b; ++j) {
+      if (j >= table_.size()) {
+        ++needed;
+      } else if (counts.count(table_[j]) > 1) {
+        ++needed;
+        counts.leave(table_[j]);
+      }
+    }
+    if (needed > counts.free()) {
+      throw std::length_error(
+          detail::expected_given(what(), "at most the " + std::to_string(counts.free()) + " free",
+                                 std::to_string(needed) + " needed for " + std::to_string(tokens) + " tokens"));
+    }
+    counts.take(needed);
+  }
+
+  /// Gives back the blocks an update of `layer` from `start` leaves behind (releases()).
+  void release(std::size_t layer, std::size_t start) noexcept {
+    const auto [first, end] = releases(layer, start);
+    needs_[layer] = std::max(needs_[layer], window_start(start));
+    for (std::size_t j = first; j < end; ++j) {
+      pool_->drop_after(table_[j], last_given_back_);
+      last_given_back_ = table_[j];
+      table_[j] = kReleased;
+    }
+    given_back_ += end - first;
+  }
+
+  /// Writes batch row `row` of k and v at `start` of `layer` (checked, and its blocks counted),
+  /// with the pool's head scales; returns the values that saturated.
+  template <class In>
+  std::size_t write(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v, std::size_t row,
+                    std::size_t start) {
+    const detail::HeadScaleView scales = pool_->head_scale_view(layer);
+    const std::size_t tokens = k.tokens();
+    const std::size_t b = block();
+    release(layer, start);
+    const std::size_t first = start / b, last = tokens == 0 ? first : (start + tokens - 1) / b;
+    for (std::size_t j = first; tokens != 0 && j <= last; ++j) {
+      if (j >= table_.size()) {
+        table_.push_back(pool_->take_free());
+        pool_->place(table_.back(), j * b);
+      } else if (pool_->meta_[table_[j]].count > 1) {
+        const std::size_t copy = pool_->take_free();
+        pool_->copy_block(table_[j], copy);
+        pool_->drop(table_[j]);
+        table_[j] = copy;
+      } else if (pool_->meta_[table_[j]].keyed) {
+        pool_->forget_key(table_[j]);  // a keyed block's rows never change while it is keyed
+      }
+    }
+    const TensorView<const In> k_row(k.row(row, 0, 0), {1, k.heads(), tokens, k.head_dim()}, k.strides());
+    const TensorView<const In> v_row(v.row(row, 0, 0), {1, v.heads(), tokens, v.head_dim()}, v.strides());
+    std::size_t clipped = 0;
+    for (std::size_t done = 0; done < tokens;) {
+      const std::size_t at = start + done;
+      const std::size_t n = std::min(tokens - done, b - at % b);
+      clipped += pool_->rows_[layer].encode(k_row, v_row, done, n, table_[at / b] * b + at % b, scales);
+      const std::size_t known = std::min(n, ids_.size() - std::min(ids_.size(), at));
+      pool_->record_ids(table_[at / b], at % b, n,
+                        std::span<const TokenId>(ids_).subspan(std::min(at, ids_.size()), known));
+      done += n;
+    }
+    set_length(layer, start + tokens);
+    key_full_blocks();
+    return clipped;
+  }
 
   friend struct detail::StateAccess;
 
   // State files (state_file.hpp): one sequence, not its pool. PAGE holds the block size and
   // the token ids known; ROWS[l] the layer's tokens block after block. A load takes fresh
   // blocks of the pool into an empty sequence; BASE's head scales must agree with the pool's,
-  // and the pool's clipped count stays its own.
+  // and the pool's clipped count stays its own. A windowed sequence also writes PWIN: the blocks
+  // it gave back and each layer's first needed position; ROWS then holds the blocks it keeps.
   [[nodiscard]] KvCacheConfig state_config() const noexcept {
-    return {.layers = layers(), .batch = 1, .kv_heads = kv_heads(), .head_dim = head_dim(), .capacity = capacity()};
+    const bool unbounded = capacity() == std::numeric_limits<std::size_t>::max();
+    return {.layers = layers(),
+            .batch = 1,
+            .kv_heads = kv_heads(),
+            .head_dim = head_dim(),
+            .capacity = unbounded ? 0 : capacity(),
+            .window = pool_->window(),
+            .sinks = pool_->sinks(),
+            .slack = pool_->slack()};
+  }
+  /// The blocks the sequence holds, in order (its table without those given back).
+  [[nodiscard]] std::vector<std::size_t> held_blocks() const {
+    std::vector<std::size_t> held;
+    held.reserve(table_.size() - given_back_);
+    for (const std::size_t b : table_)
+      if (b != kReleased) held.push_back(b);
+    return held;
   }
   [[nodiscard]] const detail::CacheBase& state_scale_owner() const noexcept { return *pool_; }
   template <class Out>
@@ -591,7 +824,15 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       fields.u64(ids_.size());
       fields.i64s(std::vector<std::int64_t>(ids_.begin(), ids_.end()));
     });
-    for (std::size_t l = 0; l < layers(); ++l) out.blocks("ROWS", l, pool_->rows_[l], table_, block(), length(l));
+    if (pool_->window() != 0) {
+      out.section("PWIN", [&](auto& fields) {
+        fields.u64(given_back_);
+        for (const std::size_t n : needs_) fields.u64(n);
+      });
+    }
+    const std::vector<std::size_t> held = held_blocks();
+    const std::size_t gap = given_back_ * block();
+    for (std::size_t l = 0; l < layers(); ++l) out.blocks("ROWS", l, pool_->rows_[l], held, block(), length(l) - gap);
   }
   template <class In>
   auto load_sections(In& in) {
@@ -634,11 +875,30 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       }
     }
 
-    // Fresh blocks: the first the pool would take (never-keyed ones first). Those free but
-    // keyed hold a prefix others may reuse: the data reaches them only once verified.
+    // A windowed sequence's blocks given back, and what each layer still reads.
     std::size_t longest = 0;
     for (const std::size_t n : in.lengths()) longest = std::max(longest, n);
-    const std::size_t needed = (longest + block() - 1) / block();
+    std::size_t given_back = 0;
+    std::vector<std::size_t> needs(layers(), 0);
+    if (pool_->window() != 0) {
+      auto window = in.section("PWIN", 8 * (1 + layers()));
+      given_back = window.u64("blocks given back");
+      for (std::size_t l = 0; l < layers(); ++l) {
+        needs[l] = window.u64("needed position");
+        window.require(needs[l] <= in.lengths()[l], "needed position",
+                       "<= the layer's tokens " + std::to_string(in.lengths()[l]), std::to_string(needs[l]));
+      }
+      window.finish();
+      const std::size_t gap_end = (sink_blocks() + given_back) * block();
+      const std::size_t needed_from = *std::min_element(needs.begin(), needs.end());
+      window.require(given_back == 0 || gap_end <= needed_from, "blocks given back",
+                     "blocks before every layer's needed position " + std::to_string(needed_from),
+                     std::to_string(given_back) + " after the sinks' " + std::to_string(sink_blocks()));
+    }
+
+    // Fresh blocks: the first the pool would take (never-keyed ones first). Those free but
+    // keyed hold a prefix others may reuse: the data reaches them only once verified.
+    const std::size_t needed = (longest + block() - 1) / block() - given_back;
     if (needed > pool_->free_blocks()) {
       throw std::length_error("kvcache::load_state: PagedKvCache: blocks: expected at most the " +
                               std::to_string(pool_->free_blocks()) + " free, found " + std::to_string(needed) +
@@ -649,19 +909,29 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     if (std::any_of(table.begin(), table.end(), [&](std::size_t b) { return pool_->meta_[b].keyed; })) {
       in.set_data(In::Data::hold);
     }
-    for (std::size_t l = 0; l < layers(); ++l) in.blocks("ROWS", l, pool_->rows_[l], table, block(), in.lengths()[l]);
-    keys_.reserve(needed);
+    const std::size_t gap = given_back * block();
+    for (std::size_t l = 0; l < layers(); ++l)
+      in.blocks("ROWS", l, pool_->rows_[l], table, block(), in.lengths()[l] - gap);
+    // The table: the sinks' blocks, those given back, the rest.
+    const auto at = static_cast<std::ptrdiff_t>(std::min(sink_blocks(), table.size()));
+    table.insert(table.begin() + at, given_back, kReleased);
+    keys_.reserve(table.size());
 
-    return [this, table = std::move(table), ids = std::move(ids),
+    return [this, table = std::move(table), ids = std::move(ids), needs = std::move(needs), given_back,
             lengths = std::vector<std::size_t>(in.lengths().begin(), in.lengths().end())]() mutable noexcept {
-      for ([[maybe_unused]] const std::size_t b : table) {
+      for (std::size_t j = 0; j < table.size(); ++j) {
+        if (table[j] == kReleased) continue;
         [[maybe_unused]] const std::size_t taken = pool_->take_free();
-        KVCACHE_ASSERT(taken == b, "a load takes the free blocks it read into");
+        KVCACHE_ASSERT(taken == table[j], "a load takes the free blocks it read into");
+        pool_->place(table[j], j * block());
       }
       table_ = std::move(table);
+      given_back_ = given_back;
+      needs_ = std::move(needs);
       ids_ = std::move(ids);
       const std::size_t longest_held = *std::max_element(lengths.begin(), lengths.end());
       for (std::size_t j = 0; j < table_.size(); ++j) {
+        if (table_[j] == kReleased) continue;
         const std::size_t from = std::min(j * block(), ids_.size());
         const std::size_t to = std::min({(j + 1) * block(), longest_held, ids_.size()});
         pool_->meta_[table_[j]].ids.assign(ids_.begin() + static_cast<std::ptrdiff_t>(from),
@@ -681,46 +951,11 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t start = check_update(layer, k, v, positions, capacity());
-    const std::size_t tokens = k.tokens();
-    const std::size_t b = block();
-    const std::size_t first = start / b, last = tokens == 0 ? first : (start + tokens - 1) / b;
-    // Blocks this write needs: new ones past the table, and a copy of a shared one it writes into.
-    std::size_t needed = 0;
-    for (std::size_t j = first; tokens != 0 && j <= last; ++j)
-      if (j >= table_.size() || pool_->meta_[table_[j]].count > 1) ++needed;
-    if (needed > pool_->free_blocks()) {
-      throw std::length_error(
-          detail::expected_given("PagedKvCache::update: layer " + std::to_string(layer) + ": blocks",
-                                 "at most the " + std::to_string(pool_->free_blocks()) + " free",
-                                 std::to_string(needed) + " needed for " + std::to_string(tokens) + " tokens"));
-    }
+    typename BlockPool<T>::Counts counts(*pool_);
+    check_blocks(layer, start, k.tokens(), counts,
+                 [&] { return "PagedKvCache::update: layer " + std::to_string(layer) + ": blocks"; });
     pool_->template check_values<T>(layer, k, v);
-
-    for (std::size_t j = first; tokens != 0 && j <= last; ++j) {
-      if (j >= table_.size()) {
-        table_.push_back(pool_->take_free());
-      } else if (pool_->meta_[table_[j]].count > 1) {
-        const std::size_t copy = pool_->take_free();
-        pool_->copy_block(table_[j], copy);
-        pool_->drop(table_[j]);
-        table_[j] = copy;
-      } else if (pool_->meta_[table_[j]].keyed) {
-        pool_->forget_key(table_[j]);  // a keyed block's rows never change while it is keyed
-      }
-    }
-    std::size_t clipped = 0;
-    for (std::size_t done = 0; done < tokens;) {
-      const std::size_t at = start + done;
-      const std::size_t n = std::min(tokens - done, b - at % b);
-      clipped += pool_->rows_[layer].encode(k, v, done, n, table_[at / b] * b + at % b, pool_->head_scale_view(layer));
-      const std::size_t known = std::min(n, ids_.size() - std::min(ids_.size(), at));
-      pool_->record_ids(table_[at / b], at % b, n,
-                        std::span<const TokenId>(ids_).subspan(std::min(at, ids_.size()), known));
-      done += n;
-    }
-    pool_->count_clipped(layer, clipped);
-    set_length(layer, start + tokens);
-    key_full_blocks();
+    pool_->count_clipped(layer, write(layer, k, v, std::size_t{0}, start));
     return history(layer);
   }
 
@@ -733,9 +968,14 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     full = std::min(full, table_.size());
     while (keys_.size() < full) {
       const std::size_t j = keys_.size();
+      const std::uint64_t parent = j == 0 ? 0 : keys_.back();
+      if (table_[j] == kReleased) {  // its chain key alone, from the ids the sequence knows (a load)
+        if (ids_.size() < (j + 1) * b) return;
+        keys_.push_back(BlockPool<T>::chain_key(parent, std::span<const TokenId>(ids_).subspan(j * b, b)));
+        continue;
+      }
       const std::vector<TokenId>& ids = pool_->meta_[table_[j]].ids;
       if (ids.size() != b) return;
-      const std::uint64_t parent = j == 0 ? 0 : keys_.back();
       const std::uint64_t key = BlockPool<T>::chain_key(parent, ids);
       pool_->key_block(table_[j], parent, key);
       keys_.push_back(key);
@@ -752,7 +992,23 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     if (table_.size() != (held + b - 1) / b) {
       fail(name + "table holds " + std::to_string(table_.size()) + " blocks for " + std::to_string(held) + " tokens");
     }
+    for (std::size_t j = 0; j < table_.size(); ++j) {
+      const bool gap = j >= sink_blocks() && j < sink_blocks() + given_back_;
+      if ((table_[j] == kReleased) != gap) {
+        fail(name + "block " + std::to_string(j) + (gap ? " was given back but is held" : " is missing"));
+      }
+      if (!gap && pool_->positions_[table_[j] * b] != static_cast<std::int64_t>(j * b)) {
+        fail(name + "block " + std::to_string(j) + " holds positions from " +
+             std::to_string(pool_->positions_[table_[j] * b]));
+      }
+    }
+    for (std::size_t l = 0; l < layers(); ++l) {
+      if (needs_[l] > length(l)) fail(name + "layer " + std::to_string(l) + " needs positions past its tokens");
+      if (given_back_ != 0 && needs_[l] < (sink_blocks() + given_back_) * b)
+        fail(name + "layer " + std::to_string(l) + " needs positions of blocks given back");
+    }
     for (std::size_t p = 0; p < std::min(held, ids_.size()); ++p) {
+      if (table_[p / b] == kReleased) continue;
       const std::vector<TokenId>& recorded = pool_->meta_[table_[p / b]].ids;
       if (p % b >= recorded.size() || recorded[p % b] != ids_[p]) {
         fail(name + "token " + std::to_string(p) + " has id " + std::to_string(ids_[p]) + ", its block " +
@@ -762,7 +1018,10 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     }
     if (keys_.size() * b > held) fail(name + "chain keys cover more blocks than it holds");
     for (std::size_t j = 0; j < keys_.size(); ++j) {
-      const std::vector<TokenId>& recorded = pool_->meta_[table_[j]].ids;
+      const std::size_t from = std::min(ids_.size(), j * b);
+      const std::span<const TokenId> recorded =
+          table_[j] != kReleased ? std::span<const TokenId>(pool_->meta_[table_[j]].ids)
+                                 : std::span<const TokenId>(ids_).subspan(from, std::min(b, ids_.size() - from));
       if (recorded.size() != b || BlockPool<T>::chain_key(j == 0 ? 0 : keys_[j - 1], recorded) != keys_[j])
         fail(name + "chain key of block " + std::to_string(j) + " is not its recorded ids'");
     }
@@ -820,6 +1079,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     keys_.resize(skip / b);
     set_all_lengths(skip);
     shrink_table();  // blocks of one token: the last one is not held
+    for (std::size_t l = 0; l < layers(); ++l) release(l, skip);
     return skip;
   }
   /// This pool's namespace in a store of `model`'s blocks.
@@ -832,6 +1092,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   void place_fetched(std::span<const std::string_view> layers, std::span<const TokenId> ids) noexcept {
     const std::size_t b = block();
     const std::size_t taken = pool_->take_free();
+    pool_->place(taken, table_.size() * b);
     detail::copy_block_rows<T>(layers, pool_->rows_, taken * b, b);
     pool_->meta_[taken].ids.assign(ids.begin(), ids.end());  // within the capacity reserved for it
     const std::uint64_t parent = keys_.empty() ? 0 : keys_.back();
@@ -856,16 +1117,20 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     if (pool_ == nullptr) return;
     const std::size_t keep = (held_tokens() + block() - 1) / block();
     while (table_.size() > keep) {
-      pool_->drop(table_.back());
+      if (table_.back() != kReleased) pool_->drop(table_.back());
       table_.pop_back();
     }
+    given_back_ = std::min(given_back_, table_.size() - std::min(table_.size(), sink_blocks()));
+    if (given_back_ == 0) last_given_back_ = kNone;
   }
 
   void leave() noexcept {
     if (pool_ == nullptr) return;
     // Last block first: the free list then evicts a prefix's tail before its root.
-    for (auto b = table_.rbegin(); b != table_.rend(); ++b) pool_->drop(*b);
+    for (auto b = table_.rbegin(); b != table_.rend(); ++b)
+      if (*b != kReleased) pool_->drop(*b);
     table_.clear();
+    given_back_ = 0;
     auto& all = pool_->sequences_;
     all.erase(std::remove(all.begin(), all.end(), this), all.end());
     pool_ = nullptr;
@@ -875,6 +1140,9 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   std::vector<std::size_t> table_;                 // block of each block_tokens tokens, in order
   std::vector<TokenId> ids_;                       // token ids known, from position 0
   std::vector<std::uint64_t> keys_;                // chain key of each leading full block keyed
+  std::vector<std::size_t> needs_;                 // per layer, the first position (sinks aside) it reads
+  std::size_t given_back_ = 0;                     // blocks given back, from sink_blocks() on
+  std::size_t last_given_back_ = kNone;            // the last of them
   std::vector<std::vector<Segment<T>>> segments_;  // per layer, what the last update returned
   std::size_t refetch_from_ = kNone;               // the first block the last store fetch found corrupt
 };

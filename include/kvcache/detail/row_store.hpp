@@ -156,6 +156,28 @@ class RowStore {
     return s;
   }
 
+  /// Every slot as [slots / block_tokens, heads, block_tokens] rows, for a store of one batch row
+  /// whose slots are blocks of `block_tokens` (a BlockPool's layer): stored row r is block r.
+  /// `positions` gives each block's (a list per stored row); a segment's `rows` pick blocks.
+  [[nodiscard]] Segment<T> block_segment(std::size_t block_tokens, Positions positions,
+                                         HeadScaleView head_scales = {}) const noexcept {
+    KVCACHE_ASSERT(batch_ == 1 && block_tokens != 0 && slots_ % block_tokens == 0, "a store of whole blocks");
+    const Shape shape{slots_ / block_tokens, heads_, block_tokens, units_};
+    const Strides strides{block_tokens * units_, slots_ * units_, units_};
+    Segment<T> s{TensorView<const Unit>(keys_.data(), shape, strides),
+                 TensorView<const Unit>(values_.data(), shape, strides), positions};
+    if constexpr (has_head_scales<T>) {
+      const Strides per_head{0, 1, 0};
+      s.key_scales = RowScales{head_scales.keys, per_head};
+      s.value_scales = RowScales{head_scales.values, per_head};
+    } else if constexpr (kRowScales) {
+      const Strides scale_strides{block_tokens, slots_, 1};
+      s.key_scales = RowScales{key_scales_.data(), scale_strides};
+      s.value_scales = RowScales{value_scales_.data(), scale_strides};
+    }
+    return s;
+  }
+
  private:
   static constexpr bool kRowScales = Codec::row_scales && !has_head_scales<T>;  // kept here, a scale a row
 
