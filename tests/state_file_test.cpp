@@ -1149,6 +1149,160 @@ void expect_refused_across(const std::string& expected, const std::string& found
   }
 }
 
+// ---- windows: a slot cache's rings and a paged sequence's blocks given back ----------------
+
+/// Feeds `tokens` to slot `row` of every layer in chunks of at most `chunk`, from `seed`.
+void feed_slot(SlotKvCache<float>& cache, std::size_t row, std::size_t tokens, std::size_t chunk, std::uint64_t seed) {
+  for (std::size_t done = 0; done < tokens;) {
+    const std::size_t n = std::min(chunk, tokens - done);
+    const auto positions = arange(cache.length(row, 0), n);
+    for (std::size_t l = 0; l < cache.layers(); ++l) {
+      const Block<float> k({1, cache.kv_heads(), n, cache.head_dim()}, seed++);
+      const Block<float> v({1, cache.kv_heads(), n, cache.head_dim()}, seed++);
+      cache.update(l, k.view(), v.view(), positions, Rows(row));
+    }
+    done += n;
+  }
+}
+
+TEST(StateFileWindows, AWindowedSlotCacheRoundTripsAndContinuesTheSame) {
+  const KvCacheConfig config{
+      .layers = 2, .batch = 3, .kv_heads = 2, .head_dim = 8, .window = 5, .sinks = 1, .slack = 3};
+  // Slot 0 wrapped its ring several times, slot 1 was cut back after wrapping (rows with no
+  // position), slot 2 holds a few tokens.
+  const auto filled = [&] {
+    SlotKvCache<float> cache(config);
+    for (std::size_t row = 0; row < 3; ++row) EXPECT_EQ(cache.acquire(), row);
+    feed_slot(cache, 0, 23, 4, 1);
+    feed_slot(cache, 1, 14, 3, 100);
+    cache.truncate(1, 12);
+    feed_slot(cache, 2, 3, 3, 200);
+    return cache;
+  };
+  SlotKvCache<float> original = filled();
+  const std::string file = saved(original, "rings");
+  const auto sections = parse_sections(file);
+  EXPECT_TRUE(std::any_of(sections.begin(), sections.end(), [](const Section& s) { return s.name == "SWIN[1]"; }));
+  EXPECT_EQ(info_of(file).config.window, 5U);
+  EXPECT_EQ(info_of(file).config.capacity, 0U) << "no bound on a windowed slot's tokens";
+  SlotKvCache<float> loaded(info_of(file).config);
+  EXPECT_EQ(load_from(loaded, file), "rings");
+  EXPECT_EQ(snapshot(loaded), snapshot(original));
+  EXPECT_EQ(saved(loaded, "rings"), file);
+  for (SlotKvCache<float>* cache : {&original, &loaded}) {
+    feed_slot(*cache, 1, 6, 2, 300);
+    feed_slot(*cache, 2, 9, 4, 400);
+  }
+  EXPECT_EQ(snapshot(loaded), snapshot(original));
+
+  // A cache without the window, or with another, refuses it; so does one given a corrupt file.
+  KvCacheConfig plain = config;
+  plain.window = 0;
+  plain.sinks = 0;
+  plain.slack = 0;
+  plain.capacity = 64;
+  SlotKvCache<float> other(plain);
+  expect_throw_naming([&] { load_from(other, file); }, Throws::invalid_argument, {"window", "expected 0", "found 5"});
+  SlotKvCache<float> empty(config);
+  for (const Corrupted& corrupted : corruptions(file)) {
+    const SlotSnapshot before = snapshot(empty);
+    EXPECT_THROW(load_from(empty, corrupted.bytes), std::runtime_error) << corrupted.what;
+    EXPECT_EQ(snapshot(empty), before) << corrupted.what;
+  }
+  // A crafted file: slot 0's row 1 said to hold another position than the history reads there.
+  std::string crafted = file;
+  const std::uint64_t held = patch_u64(crafted, "SWIN[0]", 8 * 3 + 8 * 1, 7);
+  EXPECT_NE(held, 7U);
+  try {
+    load_from(empty, crafted);
+    ADD_FAILURE() << "loaded a ring row holding a position the history does not read there";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("SWIN[0]"), HasSubstr("slot 0 positions")));
+  }
+}
+
+TEST(StateFileWindows, AWindowedPagedSequenceSavesTheBlocksItHoldsAndContinuesTheSame) {
+  const BlockPoolConfig config{
+      .layers = 2, .kv_heads = 2, .head_dim = 8, .block_tokens = 4, .blocks = 24, .window = 6, .sinks = 2, .slack = 1};
+  BlockPool<float> pool(config);
+  PagedKvCache<float> original(pool);
+  std::vector<TokenId> ids(40);
+  std::iota(ids.begin(), ids.end(), 7);
+  original.add_token_ids(std::span(ids).first(30));
+  for (std::size_t done = 0; done < 30; done += 3) {
+    for (std::size_t l = 0; l < 2; ++l) {
+      const Block<float> k({1, 2, 3, 8}, 10 * done + l), v({1, 2, 3, 8}, 10 * done + l + 5);
+      original.update(l, k.view(), v.view(), arange(done, 3));
+    }
+  }
+  const auto released = [](const PagedKvCache<float>& s) {
+    return std::count(s.block_table().begin(), s.block_table().end(), PagedKvCache<float>::kReleased);
+  };
+  ASSERT_GT(released(original), 3);
+  const std::string file = saved(original, "window");
+  const auto sections = parse_sections(file);
+  EXPECT_TRUE(std::any_of(sections.begin(), sections.end(), [](const Section& s) { return s.name == "PWIN"; }));
+
+  BlockPool<float> other(config);
+  PagedKvCache<float> holder(other);
+  for (std::size_t l = 0; l < 2; ++l) {
+    const Block<float> k({1, 2, 5, 8}, 900 + l);
+    holder.update(l, k.view(), k.view(), arange(0, 5));
+  }
+  PagedKvCache<float> loaded(other);
+  EXPECT_EQ(load_from(loaded, file), "window");
+  EXPECT_EQ(snapshot(loaded), snapshot(original));
+  const auto released_at_load = released(loaded);
+  EXPECT_EQ(released_at_load, released(original));
+  EXPECT_EQ(loaded.bytes(), original.bytes());
+  EXPECT_EQ(saved(loaded, "window"), file);
+  ASSERT_NO_THROW(other.check_invariants());
+
+  // Both go on alike, keying the blocks they fill by the chain of every id before them.
+  for (PagedKvCache<float>* seq : {&original, &loaded}) {
+    seq->add_token_ids(std::span(ids).subspan(30));
+    for (std::size_t l = 0; l < 2; ++l) {
+      const Block<float> k({1, 2, 10, 8}, 77 + l);
+      seq->update(l, k.view(), k.view(), arange(30, 10));
+    }
+  }
+  EXPECT_EQ(snapshot(loaded), snapshot(original));
+  // Every block the loaded sequence took or filled is full and keyed (the chain through those it
+  // gave back before the save from the ids it knows), the ones it gave back since waiting keyed in
+  // the free list; check_invariants checks each key against those ids.
+  EXPECT_GT(released(loaded), released_at_load);
+  EXPECT_EQ(other.keyed_blocks(), loaded.block_table().size() - static_cast<std::size_t>(released_at_load));
+  ASSERT_NO_THROW(other.check_invariants());
+  ASSERT_NO_THROW(pool.check_invariants());
+
+  // A pool without the window refuses the file; corrupt files change nothing.
+  BlockPoolConfig plain = config;
+  plain.window = 0;
+  plain.sinks = 0;
+  plain.slack = 0;
+  BlockPool<float> unwindowed(plain);
+  PagedKvCache<float> target(unwindowed);
+  expect_throw_naming([&] { load_from(target, file); }, Throws::invalid_argument, {"window", "expected 0", "found 6"});
+  BlockPool<float> third(config);
+  PagedKvCache<float> empty(third);
+  for (const Corrupted& corrupted : corruptions(file)) {
+    EXPECT_THROW(load_from(empty, corrupted.bytes), std::runtime_error) << corrupted.what;
+    EXPECT_EQ(empty.block_table().size(), 0U) << corrupted.what;
+    EXPECT_EQ(third.free_blocks(), 24U) << corrupted.what;
+  }
+  // A crafted PWIN giving back blocks a layer still reads.
+  std::string crafted = file;
+  const std::uint64_t given = patch_u64(crafted, "PWIN", 0, 6);
+  EXPECT_LT(given, 6U);
+  try {
+    load_from(empty, crafted);
+    ADD_FAILURE() << "loaded a sequence said to have given back blocks its layers read";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("PWIN"), HasSubstr("blocks given back")));
+  }
+  EXPECT_EQ(third.free_blocks(), 24U);
+}
+
 TEST(StateFileAcross, AnotherVariantIsRefusedNamingBoth) {
   expect_refused_across<KvCache<float>, RingKvCache<float>>("RingKvCache", "KvCache");
   expect_refused_across<KvCache<float>, ConcatKvCache<float>>("ConcatKvCache", "KvCache");
