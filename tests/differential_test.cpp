@@ -2,16 +2,21 @@
 // Seeded random operation sequences (chunked updates, passes stopped part-way, truncates,
 // resets, bad calls) on every variant, checked after every operation against a trivially
 // correct reference: one growing map of position -> data per layer, the window applied by
-// position.
+// position. Paged sequences also as the rows of PagedBatch calls (forks sharing blocks, with and
+// without a window), the pool's invariants checked after every operation.
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
+#include <memory>
 #include <random>
 #include <set>
 #include <stdexcept>
 
 #include "cache_test_support.hpp"
+#include "kvcache/attention.hpp"
+#include "kvcache/paged_batch.hpp"
 
 namespace kvcache::testing {
 namespace {
@@ -176,8 +181,242 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
         }
       }
       check_length();
+      if constexpr (is_paged<Cache>) {
+        ASSERT_NO_THROW(cache.block_pool().check_invariants());
+        // A windowed sequence holds the sinks' blocks and those of its window, its slack and a
+        // chunk, however long it ran.
+        if (limits.window != 0) {
+          const std::size_t b = kPooledBlockTokens;
+          const std::size_t most = (limits.sinks + b - 1) / b + (limits.window + limits.slack + 12 + b - 1) / b + 1;
+          ASSERT_LE(cache.bytes(), most * cache.block_pool().block_bytes());
+        }
+      }
     }
   }
+}
+
+// ---- paged sequences as the rows of one batch --------------------------------------------------
+
+template <class T>
+class BatchDifferential : public ::testing::Test {};
+using BatchFormats = ::testing::Types<float, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
+struct FormatName {
+  template <class T>
+  static std::string GetName(int) {
+    return storage_codec<T>::name;
+  }
+};
+TYPED_TEST_SUITE(BatchDifferential, BatchFormats, FormatName);
+
+// Up to four sequences of one pool (new ones, forks of live ones) written through PagedBatch
+// updates of random subsets of them in random order, passes stopped part-way, truncates, resets
+// and bad batch calls; after every operation the pool's invariants hold, each sequence's history
+// holds what the reference says a query reads (and, with a window, its blocks stay bounded), and
+// now and then attention over the batch equals a call per sequence.
+TYPED_TEST(BatchDifferential, RandomBatchOperationsMatchTheReferenceAndKeepThePoolConsistent) {
+  using T = TypeParam;
+  using In = input_t<T>;
+  constexpr std::size_t layers = 2, kv_heads = 2, q_heads = 4, head_dim = 8, block = 4, capacity = 48, most = 4;
+  std::mt19937_64 rng(20261205);
+  const auto pick = [&](std::size_t lo, std::size_t hi) {
+    return std::uniform_int_distribution<std::size_t>(lo, hi)(rng);
+  };
+  std::size_t batch_updates = 0, shared_reads = 0, given_back = 0, refused = 0;
+
+  for (int run = 0; run < 40; ++run) {
+    const std::size_t window = run % 2 == 1 ? pick(2, 10) : 0, sinks = window != 0 ? pick(0, 3) : 0;
+    const std::size_t slack = window != 0 ? pick(0, 3) : 0;
+    SCOPED_TRACE("run " + std::to_string(run) + " window " + std::to_string(window) + " sinks " +
+                 std::to_string(sinks) + " slack " + std::to_string(slack));
+    const KvCacheConfig scales = test_config<T>({.layers = layers, .kv_heads = kv_heads, .head_dim = head_dim});
+    // Enough blocks that every sequence reaches capacity: no valid call runs out.
+    BlockPool<T> pool({.layers = layers,
+                       .kv_heads = kv_heads,
+                       .head_dim = head_dim,
+                       .block_tokens = block,
+                       .blocks = most * (capacity / block + 1),
+                       .capacity = capacity,
+                       .window = window,
+                       .sinks = sinks,
+                       .slack = slack,
+                       .key_scales = scales.key_scales,
+                       .value_scales = scales.value_scales});
+    struct Live {
+      std::unique_ptr<PagedKvCache<T>> seq;
+      std::vector<std::map<std::int64_t, Row>> written;  // per layer: position -> stored row
+    };
+    std::vector<Live> live;
+    const auto length = [](const Live& l, std::size_t layer) { return l.seq->length(layer); };
+
+    // Every sequence's history against its reference: the data of what it returns, and every
+    // position a query at its length reads.
+    const auto check_all = [&] {
+      ASSERT_NO_THROW(pool.check_invariants());
+      for (const Live& l : live) {
+        for (std::size_t layer = 0; layer < layers; ++layer) {
+          const std::size_t n = length(l, layer);
+          const auto held = flatten(l.seq->history(layer));
+          for (const auto& [p, row] : held) {
+            ASSERT_LT(p, static_cast<std::int64_t>(n));
+            ASSERT_EQ(row, l.written[layer].at(p)) << "layer " << layer << " position " << p;
+          }
+          for (std::size_t p = 0; p < n; ++p) {
+            if (window == 0 || p < sinks || p + window > n) {
+              ASSERT_TRUE(held.count(static_cast<std::int64_t>(p))) << "layer " << layer << " position " << p;
+            }
+          }
+        }
+        if (window != 0) {
+          const std::size_t bound = (sinks + block - 1) / block + (window + slack + 8 + block - 1) / block + 1;
+          ASSERT_LE(l.seq->bytes(), bound * pool.block_bytes());
+          given_back += static_cast<std::size_t>(
+              std::count(l.seq->block_table().begin(), l.seq->block_table().end(), PagedKvCache<T>::kReleased));
+        }
+      }
+    };
+
+    for (int op = 0; op < 60; ++op) {
+      const std::size_t kind = pick(0, 9);
+      if (live.empty() || (kind == 0 && live.size() < most)) {  // a new sequence, or a fork of a live one
+        if (live.empty() || pick(0, 1) == 0) {
+          live.push_back({std::make_unique<PagedKvCache<T>>(pool), std::vector<std::map<std::int64_t, Row>>(layers)});
+        } else {
+          const Live& from = live[pick(0, live.size() - 1)];
+          live.push_back({std::make_unique<PagedKvCache<T>>(from.seq->fork()), from.written});
+        }
+      } else if (kind <= 5) {  // a pass over some sequences, in any order, maybe stopped part-way
+        std::vector<std::size_t> rows;
+        for (std::size_t i = 0; i < live.size(); ++i) {
+          if (pick(0, 2) != 0) rows.insert(rows.begin() + static_cast<std::ptrdiff_t>(pick(0, rows.size())), i);
+        }
+        if (rows.empty()) continue;
+        const std::size_t tokens = pick(0, 3) == 0 ? pick(2, 8) : 1;
+        bool room = true;
+        for (const std::size_t r : rows)
+          for (std::size_t layer = 0; layer < layers; ++layer)
+            room = room && length(live[r], layer) + tokens <= capacity;
+        if (!room) continue;
+        std::vector<PagedKvCache<T>*> members;
+        for (const Live& l : live) members.push_back(l.seq.get());
+        PagedBatch<T> batch(members);
+        const std::size_t stop = pick(0, 4) == 0 ? pick(1, layers) : layers;
+        for (std::size_t layer = 0; layer < stop; ++layer) {
+          const Block<In> k({rows.size(), kv_heads, tokens, head_dim}, rng()),
+              v({rows.size(), kv_heads, tokens, head_dim}, rng());
+          std::vector<std::int64_t> positions;
+          for (const std::size_t r : rows) {
+            const auto p = arange(length(live[r], layer), tokens);
+            positions.insert(positions.end(), p.begin(), p.end());
+          }
+          const History<T> history = batch.update(
+              layer, k.view(), v.view(), Positions(positions.data(), tokens, tokens), Rows(rows.data(), rows.size()));
+          ++batch_updates;
+          for (std::size_t i = 0; i < rows.size(); ++i) {
+            Live& l = live[rows[i]];
+            const std::size_t row_offset = i * kv_heads * tokens * head_dim;
+            const TensorView<const In> k_row(k.data.data() + row_offset, {1, kv_heads, tokens, head_dim});
+            const TensorView<const In> v_row(v.data.data() + row_offset, {1, kv_heads, tokens, head_dim});
+            for (std::size_t t = 0; t < tokens; ++t)
+              l.written[layer][positions[i * tokens + t]] = row_of<T>(k_row, v_row, t);
+            ASSERT_EQ(flatten_row(history, i), flatten(l.seq->history(layer))) << "batch row " << i;
+          }
+          ASSERT_EQ(history.window, window);
+        }
+      } else if (kind == 6) {  // attention over the batch's history equals a call per sequence
+        std::vector<PagedKvCache<T>*> members;
+        for (const Live& l : live) members.push_back(l.seq.get());
+        PagedBatch<T> batch(members);
+        const std::size_t layer = pick(0, layers - 1);
+        std::vector<std::int64_t> positions;
+        for (const Live& l : live) positions.push_back(static_cast<std::int64_t>(length(l, layer)));
+        const Block<float> q({live.size(), q_heads, 1, head_dim}, rng());
+        std::vector<float> out(q.data.size(), std::numeric_limits<float>::quiet_NaN());
+        const History<T> history = batch.history(layer);
+        causal_attention(q.view(), Positions(positions.data(), 1, 1), history, TensorView<float>(out.data(), q.shape),
+                         {.threads = pick(1, 2)});
+        for (std::size_t i = 0; i < live.size(); ++i) {
+          std::vector<float> alone(q_heads * head_dim, std::numeric_limits<float>::quiet_NaN());
+          const TensorView<const float> q_row(q.data.data() + i * alone.size(), {1, q_heads, 1, head_dim});
+          causal_attention(q_row, Positions(positions[i]), live[i].seq->history(layer),
+                           TensorView<float>(alone.data(), q_row.shape()));
+          for (std::size_t x = 0; x < alone.size(); ++x)
+            ASSERT_NEAR(out[i * alone.size() + x], alone[x], 1e-5) << "sequence " << i << " layer " << layer;
+        }
+        bool shared = false;  // two batch rows read one stored block
+        for (const Segment<T>& segment : history.segments) {
+          std::set<std::size_t> stored;
+          for (std::size_t i = 0; i < segment.batch(); ++i)
+            if (segment.tokens(i) != 0 && !stored.insert(segment.stored_row(i)).second) shared = true;
+        }
+        if (shared) ++shared_reads;
+      } else if (kind == 7) {  // truncate one sequence: refused only where it gave back what a query there reads
+        Live& l = live[pick(0, live.size() - 1)];
+        const std::size_t n = pick(0, std::min(length(l, 0), length(l, 1)));
+        bool gone = false;
+        for (std::size_t p = std::max(sinks, window != 0 && n + 1 > window ? n + 1 - window : 0); p < n; ++p)
+          gone = gone || l.seq->block_table()[p / block] == PagedKvCache<T>::kReleased;
+        if (gone) {
+          const std::size_t free = pool.free_blocks();
+          ASSERT_THROW(l.seq->truncate(n), std::out_of_range) << "truncate(" << n << ")";
+          ASSERT_EQ(pool.free_blocks(), free);
+          ++refused;
+        } else {
+          ASSERT_NO_THROW(l.seq->truncate(n)) << "truncate(" << n << ")";
+          for (auto& w : l.written) w.erase(w.lower_bound(static_cast<std::int64_t>(n)), w.end());
+        }
+      } else if (kind == 8) {  // a sequence finishes, or is emptied
+        const std::size_t i = pick(0, live.size() - 1);
+        if (pick(0, 1) == 0) {
+          live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+        } else {
+          live[i].seq->reset();
+          for (auto& w : live[i].written) w.clear();
+        }
+      } else {  // a bad batch call: it throws and nothing changes
+        std::vector<PagedKvCache<T>*> members;
+        for (const Live& l : live) members.push_back(l.seq.get());
+        PagedBatch<T> batch(members);
+        const std::size_t layer = pick(0, layers - 1), r = pick(0, live.size() - 1);
+        const Block<In> k({2, kv_heads, 1, head_dim}, rng());
+        std::vector<std::int64_t> positions{static_cast<std::int64_t>(length(live[r], layer)),
+                                            static_cast<std::int64_t>(length(live[r], layer))};
+        std::vector<std::vector<std::map<std::int64_t, Row>>> before;
+        for (const Live& l : live) {
+          before.emplace_back();
+          for (std::size_t x = 0; x < layers; ++x) before.back().push_back(flatten(l.seq->history(x)));
+        }
+        const std::size_t free = pool.free_blocks();
+        const std::vector<std::size_t> twice{r, r}, past{r, live.size()};
+        switch (pick(0, 2)) {
+          case 0:
+            ASSERT_THROW(
+                batch.update(layer, k.view(), k.view(), Positions(positions.data(), 1, 1), Rows(twice.data(), 2)),
+                std::invalid_argument);
+            break;
+          case 1:
+            ASSERT_THROW(
+                batch.update(layer, k.view(), k.view(), Positions(positions.data(), 1, 1), Rows(past.data(), 2)),
+                std::out_of_range);
+            break;
+          default: {
+            const Block<In> one({1, kv_heads, 1, head_dim}, rng());
+            const std::int64_t skipped = positions[0] + 1;
+            ASSERT_THROW(batch.update(layer, one.view(), one.view(), Positions(skipped), Rows(r)),
+                         std::invalid_argument);
+          }
+        }
+        ASSERT_EQ(pool.free_blocks(), free);
+        for (std::size_t i = 0; i < live.size(); ++i)
+          for (std::size_t x = 0; x < layers; ++x) ASSERT_EQ(flatten(live[i].seq->history(x)), before[i][x]);
+      }
+      check_all();
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+  EXPECT_GT(batch_updates, 1000U);
+  EXPECT_GT(shared_reads, 20U);
+  EXPECT_GT(given_back, 200U);
+  EXPECT_GT(refused, 5U);
 }
 
 }  // namespace
