@@ -526,5 +526,61 @@ TYPED_TEST(Paged, RandomOperationSequencesMatchTheReferenceAndKeepThePoolConsist
   EXPECT_GT(refused, 3U);
 }
 
+// ---- a window: blocks wholly before it go back to the pool ---------------------------------------
+
+// A windowed sequence decoded far past its window holds the sinks' block and its window's, the
+// rest back in the pool; a fork taken early keeps the blocks it shares; a truncate into what the
+// sequence gave back is refused naming it, changing nothing.
+TEST(PagedWindows, BlocksBeforeTheWindowGoBackExceptThoseAnotherSequenceHolds) {
+  constexpr std::size_t block = 4, window = 6, sinks = 2, slack = 1;
+  BlockPool<float> pool({.layers = 1,
+                         .kv_heads = 1,
+                         .head_dim = 8,
+                         .block_tokens = block,
+                         .blocks = 16,
+                         .window = window,
+                         .sinks = sinks,
+                         .slack = slack});
+  EXPECT_EQ(pool.capacity(), std::numeric_limits<std::size_t>::max()) << "no bound on a windowed sequence's tokens";
+  PagedKvCache<float> seq(pool);
+  const auto step = [&](PagedKvCache<float>& s) {
+    const Block<float> k({1, 1, 1, 8}, 100 + s.length());
+    return s.update(0, k.view(), k.view(), arange(s.length(), 1));
+  };
+  for (int i = 0; i < 9; ++i) (void)step(seq);
+  const PagedKvCache<float> early = seq.fork();  // holds blocks 0-2 with seq
+  const std::vector<std::size_t> shared(early.block_table().begin(), early.block_table().end());
+  for (int i = 0; i < 200; ++i) {
+    const History<float> history = step(seq);
+    ASSERT_NO_THROW(pool.check_invariants());
+    // The sinks' block and at most the window's, its slack and the block being written.
+    ASSERT_LE(seq.bytes(), (1 + (window + slack + block - 1) / block + 1) * pool.block_bytes()) << "step " << i;
+    const auto held = flatten(history);
+    for (std::size_t p = 0; p < seq.length(); ++p) {
+      if (p < sinks || p + window >= seq.length()) {
+        ASSERT_TRUE(held.count(static_cast<std::int64_t>(p))) << "position " << p;
+      }
+    }
+  }
+  // The fork's blocks stayed with it; seq's other blocks went back: 16 less the fork's three,
+  // less what seq holds past them.
+  EXPECT_EQ(std::vector<std::size_t>(early.block_table().begin(), early.block_table().end()), shared);
+  EXPECT_EQ(seq.block_table()[1], PagedKvCache<float>::kReleased);
+  EXPECT_EQ(seq.block_table()[0], shared[0]) << "the sinks' block stays";
+  EXPECT_EQ(pool.free_blocks(), 16 - 3 - (seq.bytes() / pool.block_bytes() - 1));
+
+  const std::size_t free = pool.free_blocks(), length = seq.length();
+  const std::vector<std::size_t> table(seq.block_table().begin(), seq.block_table().end());
+  expect_throw_naming([&] { seq.truncate(length - 20); }, Throws::out_of_range,
+                      {"PagedKvCache::truncate", "were given back", std::to_string(length - 20)});
+  EXPECT_EQ(pool.free_blocks(), free);
+  EXPECT_EQ(seq.length(), length);
+  EXPECT_EQ(std::vector<std::size_t>(seq.block_table().begin(), seq.block_table().end()), table);
+  seq.truncate(length - slack);  // within the slack
+  seq.truncate(sinks);           // back to the sinks
+  EXPECT_EQ(seq.length(), sinks);
+  ASSERT_NO_THROW(pool.check_invariants());
+}
+
 }  // namespace
 }  // namespace kvcache::testing

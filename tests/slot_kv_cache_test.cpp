@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The slot cache's own contract, over every storage format: rows admitted, advanced by their
 // own counts, finished and reused; each row reading its own tokens only; bad calls refused
-// with the cache unchanged; attention over scattered rows of different lengths.
+// with the cache unchanged; attention over scattered rows of different lengths; a window per row.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -15,6 +15,7 @@
 
 #include "cache_test_support.hpp"
 #include "kvcache/attention.hpp"
+#include "kvcache/ring_kv_cache.hpp"
 
 namespace kvcache::testing {
 namespace {
@@ -423,6 +424,135 @@ TEST(SlotAttention, RowsListedInOneUpdateMayAdvanceFromDifferentLengths) {
   EXPECT_EQ(cache.length(2), 6U);
   EXPECT_EQ(cache.length(0), 1U);
   EXPECT_EQ(cache.length(1), 0U);
+}
+
+// ---- a window per row --------------------------------------------------------------------------
+
+constexpr std::size_t kWindow = 5, kSinks = 1, kSlack = 2;
+
+SlotKvCache<float> windowed_slots(std::size_t slots) {
+  return SlotKvCache<float>(
+      {.layers = 1, .batch = slots, .kv_heads = 2, .head_dim = 8, .window = kWindow, .sinks = kSinks, .slack = kSlack});
+}
+
+// Each row of a windowed slot cache advances on its own, by chunks up to slack + 1 that wrap its
+// ring, and attention over it equals attention over a RingKvCache of the same window fed the same
+// row; every position a query reads is held, and the cache's bytes never grow.
+TEST(SlotWindows, EachRowReadsWhatARingOfItsOwnReadsAndMemoryStaysFlat) {
+  constexpr std::size_t slots = 3, H = 2, Hq = 4, D = 8;
+  SlotKvCache<float> cache = windowed_slots(slots);
+  EXPECT_EQ(cache.rows_per_slot(), kSinks + kWindow + kSlack);
+  const std::size_t bytes = cache.bytes();
+  std::vector<RingKvCache<float>> rings;
+  for (std::size_t row = 0; row < slots; ++row) {
+    EXPECT_EQ(cache.acquire(), row);
+    rings.emplace_back(
+        KvCacheConfig{.layers = 1, .kv_heads = H, .head_dim = D, .window = kWindow, .sinks = kSinks, .slack = kSlack});
+  }
+  std::mt19937_64 rng(7);
+  const auto pick = [&](std::size_t lo, std::size_t hi) {
+    return std::uniform_int_distribution<std::size_t>(lo, hi)(rng);
+  };
+  for (std::size_t step = 0; step < 40; ++step) {
+    std::vector<std::size_t> rows;
+    for (std::size_t row = 0; row < slots; ++row)
+      if (pick(0, 2) != 0) rows.push_back(row);
+    if (rows.empty()) continue;
+    const std::size_t tokens = pick(1, kSlack + 1);
+    const Block<float> k({rows.size(), H, tokens, D}, rng()), v({rows.size(), H, tokens, D}, rng());
+    std::vector<std::int64_t> positions;
+    for (const std::size_t row : rows) {
+      const auto p = arange(cache.length(row), tokens);
+      positions.insert(positions.end(), p.begin(), p.end());
+    }
+    const auto history = cache.update(0, k.view(), v.view(), Positions(positions.data(), tokens, tokens), rows);
+    EXPECT_EQ(history.window, kWindow);
+    EXPECT_EQ(history.sinks, kSinks);
+    const Block<float> q({rows.size(), Hq, tokens, D}, rng());
+    Block<float> out({rows.size(), Hq, tokens, D}, 0);
+    causal_attention(q.view(), Positions(positions.data(), tokens, tokens), history, out.mutable_view());
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const auto one = [&](const Block<float>& b) {
+        return TensorView<const float>(b.view().row(i, 0, 0), {1, b.shape.heads, tokens, D}, b.view().strides());
+      };
+      const std::span<const std::int64_t> own(positions.data() + i * tokens, tokens);
+      const auto ring_history = rings[rows[i]].update(0, one(k), one(v), own);
+      Block<float> expected({1, Hq, tokens, D}, 0);
+      causal_attention(one(q), own, ring_history, expected.mutable_view());
+      for (std::size_t h = 0; h < Hq; ++h) {
+        for (std::size_t t = 0; t < tokens; ++t) {
+          for (std::size_t d = 0; d < D; ++d) {
+            ASSERT_NEAR(out.view()(i, h, t, d), expected.view()(0, h, t, d), 1e-6F)
+                << "step " << step << " slot " << rows[i] << " position " << own[t];
+          }
+        }
+      }
+      // Every position a query of this chunk reads is held, with the data the ring holds there.
+      const auto held = flatten_row(history, i), ring_held = flatten(ring_history);
+      const std::size_t n = cache.length(rows[i]), first = static_cast<std::size_t>(own[0]);
+      for (std::size_t p = 0; p < n; ++p) {
+        if (p < kSinks || p + kWindow > first) {
+          ASSERT_TRUE(held.count(static_cast<std::int64_t>(p))) << "slot " << rows[i] << " position " << p;
+          ASSERT_EQ(held.at(static_cast<std::int64_t>(p)), ring_held.at(static_cast<std::int64_t>(p)));
+        }
+      }
+    }
+    EXPECT_EQ(cache.bytes(), bytes);
+  }
+  for (std::size_t row = 0; row < slots; ++row) EXPECT_GT(cache.length(row), 3 * (kSinks + kWindow + kSlack));
+}
+
+TEST(SlotWindows, BadWindowsChunksAndTruncatesThrowAndLeaveTheCacheUnchanged) {
+  expect_throw_naming(
+      [] { SlotKvCache<float>({.layers = 1, .batch = 1, .kv_heads = 1, .head_dim = 4, .capacity = 8, .sinks = 2}); },
+      Throws::invalid_argument, {"SlotKvCache", "config.sinks/slack", "expected 0 without a window", "given 2/0"});
+  expect_throw_naming([] { BlockPool<float>({.layers = 1, .kv_heads = 1, .head_dim = 4, .blocks = 4, .slack = 3}); },
+                      Throws::invalid_argument,
+                      {"BlockPool", "config.sinks/slack", "expected 0 without a window", "given 0/3"});
+
+  SlotKvCache<float> cache = windowed_slots(2);
+  for (int i = 0; i < 2; ++i) (void)cache.acquire();
+  // A chunk longer than slack + 1 fits while it does not wrap the ring: a prompt of 8 = sinks +
+  // window + slack tokens.
+  const Block<float> prompt({1, 2, 8, 8}, 1);
+  EXPECT_NO_THROW(cache.update(0, prompt.view(), prompt.view(), arange(0, 8), {0}));
+  const Block<float> small({1, 2, 2, 8}, 2);
+  cache.update(0, small.view(), small.view(), arange(0, 2), {1});
+  const auto snapshot = [&] {
+    std::vector<std::map<std::int64_t, Row>> rows;
+    for (std::size_t row = 0; row < 2; ++row) rows.push_back(flatten(cache.history(0, row)));
+    return std::pair{rows, std::vector<std::size_t>{cache.length(0), cache.length(1)}};
+  };
+  const auto before = snapshot();
+  // Slot 0 would wrap by a chunk of slack + 2: refused naming the bound; the other row listed
+  // with it is not written either.
+  const Block<float> long_chunk({2, 2, kSlack + 2, 8}, 3);
+  std::vector<std::int64_t> positions = arange(2, kSlack + 2);  // rows[0]: slot 1, then slot 0
+  const auto slot_0 = arange(8, kSlack + 2);
+  positions.insert(positions.end(), slot_0.begin(), slot_0.end());
+  expect_throw_naming(
+      [&] {
+        cache.update(0, long_chunk.view(), long_chunk.view(), Positions(positions.data(), kSlack + 2, kSlack + 2),
+                     {1, 0});
+      },
+      Throws::length_error, {"rows[1] (slot 0)", "chunk that wraps the window", "slack + 1 = 3", "given 4"});
+  EXPECT_EQ(snapshot(), before);
+
+  // Past the ring's slack, a truncate would need positions it overwrote: refused, unchanged.
+  for (std::size_t step = 0; step < 6; ++step) {
+    const Block<float> one({1, 2, 1, 8}, 10 + step);
+    cache.update(0, one.view(), one.view(), arange(cache.length(0), 1), {0});
+  }
+  const auto later = snapshot();
+  EXPECT_EQ(cache.length(0), 14U);
+  expect_throw_naming([&] { cache.truncate(0, 9); }, Throws::out_of_range, {"SlotKvCache::truncate", "row 0", "9"});
+  EXPECT_THROW(cache.truncate(9), std::out_of_range);
+  EXPECT_EQ(snapshot(), later);
+  // Within the slack, and back to the sinks, it works.
+  cache.truncate(0, 14 - kSlack);
+  EXPECT_EQ(cache.length(0), 14 - kSlack);
+  cache.truncate(0, kSinks);
+  EXPECT_EQ(snapshot().first[0].size(), kSinks);
 }
 
 }  // namespace

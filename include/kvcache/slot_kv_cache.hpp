@@ -254,6 +254,10 @@ class SlotKvCache : public detail::CacheBase,
   [[nodiscard]] std::size_t at(std::size_t layer, std::size_t row) const noexcept { return layer * slots() + row; }
 
   static detail::Geometry check_config(const KvCacheConfig& c) {
+    if (c.window == 0 && (c.sinks != 0 || c.slack != 0)) {
+      throw std::invalid_argument("SlotKvCache: config.sinks/slack: expected 0 without a window, given " +
+                                  std::to_string(c.sinks) + "/" + std::to_string(c.slack));
+    }
     if (c.window == 0) return detail::check_dense_config("SlotKvCache", c);
     const detail::Geometry g = detail::check_config("SlotKvCache", c);
     constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
