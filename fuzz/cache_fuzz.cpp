@@ -6,8 +6,10 @@
 // run out of blocks). After each one every layer's history is compared, position by position,
 // with a reference of what each position was given (for a ring, what its window lets attention
 // read); a bad call must throw the documented type and change nothing; and attention over a
-// history now and then must match a naive softmax over the reference's decoded rows. Any
-// difference prints what differed and traps, so that libFuzzer keeps the input.
+// history now and then must match a naive softmax over the reference's decoded rows. Slot caches
+// and pools may have a window (half the inputs), and paged sequences are also written and read
+// as the rows of a PagedBatch. Any difference prints what differed and traps, so that libFuzzer
+// keeps the input.
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <map>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -31,6 +34,7 @@
 #include "kvcache/attention.hpp"
 #include "kvcache/concat_kv_cache.hpp"
 #include "kvcache/kv_cache.hpp"
+#include "kvcache/paged_batch.hpp"
 #include "kvcache/paged_kv_cache.hpp"
 #include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
@@ -164,6 +168,7 @@ struct Setup {
   std::size_t layers = 1, kv_heads = 1, head_dim = 1, group = 1, batch = 1, slots = 1, capacity = 1;
   std::size_t window = 1, sinks = 0, slack = 0, ring_capacity = 0;
   std::size_t block_tokens = 1, blocks = 1, pool_capacity = 0;
+  bool windowed = false;  // a slot cache or a pool with the ring's window, sinks and slack
   std::uint64_t seed = 0;
 };
 
@@ -187,7 +192,9 @@ Setup read_setup(Bytes& in) {
   s.blocks = in.pick(1, 16);
   const std::uint8_t pool_capacity = in.byte();
   s.pool_capacity = pool_capacity % 2 == 0 ? 0 : 1 + pool_capacity / 2 % (s.blocks * s.block_tokens + 4);
-  (void)in.byte();  // chose whether head scales were given; a format with them now requires them
+  // Once whether head scales were given (a format with them now requires them); now whether the
+  // slot cache and the pool have a window.
+  s.windowed = in.byte() / 2 % 2 == 1;
   s.seed = in.byte();
   return s;
 }
@@ -376,9 +383,10 @@ class Format {
       CACHE_FUZZ_REQUIRE(b < seg.batch(), where() + "segment " + str(s) + " has " + str(seg.batch()) + " rows");
       const std::size_t stored = seg.stored_row(b);
       CACHE_FUZZ_REQUIRE(stored < seg.keys.batch(), where() + "stored row " + str(stored));
-      const std::span<const std::int64_t> positions = seg.positions.row(b);
+      const std::span<const std::int64_t> positions = seg.positions.row(stored);
       for (std::size_t j = 0; j < seg.tokens(b); ++j) {
         const std::int64_t p = positions[j];
+        if (p == -1) continue;  // a slot's row that holds no position since a truncate
         CACHE_FUZZ_REQUIRE(
             p >= 0 && static_cast<std::size_t>(p) < ref.size(),
             where() + "position " + std::to_string(p) + " returned, the stream holds " + str(ref.size()));
@@ -893,7 +901,9 @@ class SlotHarness {
         format_(s, s.layers),
         cache_(config()),
         ref_(s.layers, std::vector<Stream<T>>(s.slots)),
-        acquired_(s.slots, 0) {}
+        acquired_(s.slots, 0),
+        furthest_(s.layers, std::vector<std::size_t>(s.slots, 0)),
+        held_(s.layers, std::vector<std::vector<char>>(s.slots)) {}
 
   void run(Bytes& in) {
     Snapshot last = check_all();
@@ -933,6 +943,7 @@ class SlotHarness {
             for (auto& layer : ref_)
               for (auto& stream : layer) stream.clear();
             std::fill(acquired_.begin(), acquired_.end(), 0);
+            for (auto& layer : furthest_) std::fill(layer.begin(), layer.end(), 0);
             format_.reset_scales();
           } else {
             read_attention(in);
@@ -955,9 +966,50 @@ class SlotHarness {
                     .kv_heads = s_.kv_heads,
                     .head_dim = s_.head_dim,
                     .capacity = s_.capacity};
+    if (s_.windowed) {
+      c.window = s_.window;
+      c.sinks = s_.sinks;
+      c.slack = s_.slack;
+    }
     c.key_scales = format_.config_keys();
     c.value_scales = format_.config_values();
     return c;
+  }
+  [[nodiscard]] std::size_t window() const { return s_.windowed ? s_.window : 0; }
+  [[nodiscard]] std::size_t sinks() const { return s_.windowed ? s_.sinks : 0; }
+  /// The first position a query at `query` reads besides the sinks.
+  [[nodiscard]] std::size_t window_from(std::size_t query) const {
+    return s_.windowed && query + 1 > s_.window ? query + 1 - s_.window : 0;
+  }
+  /// Whether a chunk of `tokens` from `length` wraps a windowed slot's ring further than its
+  /// slack lets it (std::length_error).
+  [[nodiscard]] bool wraps(std::size_t length, std::size_t tokens) const {
+    return s_.windowed && tokens > s_.slack + 1 && length + tokens > s_.sinks + s_.window + s_.slack;
+  }
+  /// A history of a row holding `ref`: every position a query from `from` on reads, and (with a
+  /// window) no more than the ring holds.
+  void check_held(const std::vector<char>& present, const Stream<T>& ref, std::size_t from, const char* what,
+                  std::size_t layer) const {
+    if (!s_.windowed) {
+      CACHE_FUZZ_REQUIRE(std::count(present.begin(), present.end(), 1) == static_cast<std::ptrdiff_t>(ref.size()),
+                         std::string(what) + ": positions missing");
+      return;
+    }
+    check_required(present, window_from(from), ref.size(), s_.sinks, what, layer);
+    CACHE_FUZZ_REQUIRE(
+        static_cast<std::size_t>(std::count(present.begin(), present.end(), 1)) <= s_.sinks + s_.window + s_.slack,
+        std::string(what) + ": more positions than the ring holds");
+  }
+  /// Whether row `row` must take truncate(n) (a window: while each layer holds what a query at n
+  /// reads, or n is at most slack + 1 short of the furthest it reached); it may anyway.
+  [[nodiscard]] bool must_truncate(std::size_t row, std::size_t n) const {
+    for (std::size_t layer = 0; layer < s_.layers && s_.windowed; ++layer) {
+      bool held = true;
+      for (std::size_t p = std::max(s_.sinks, window_from(n)); p < n; ++p)
+        held = held && p < held_[layer][row].size() && held_[layer][row][p] != 0;
+      if (!held && n + s_.slack + 1 < furthest_[layer][row]) return false;
+    }
+    return true;
   }
   [[nodiscard]] std::size_t min_over_layers(std::size_t row) const {
     std::size_t n = ref_[0][row].size();
@@ -1014,7 +1066,8 @@ class SlotHarness {
     const Rows listed(rows.data(), rows.size());
     Expect expected = Expect::none;
     for (const std::size_t r : rows)
-      if (tokens > s_.capacity - ref_[layer][r].size()) expected = Expect::length_error;
+      if (tokens > s_.capacity - ref_[layer][r].size() || wraps(ref_[layer][r].size(), tokens))
+        expected = Expect::length_error;
     if (expected != Expect::none) {
       const Snapshot before = check_all();  // earlier layers of a pass changed the cache
       expect(expected, "row update past capacity",
@@ -1030,21 +1083,24 @@ class SlotHarness {
     std::vector<const Stream<T>*> streams;
     for (std::size_t i = 0; i < rows.size(); ++i) {
       for (std::size_t t = 0; t < tokens; ++t) ref_[layer][rows[i]].push_back(format_.encode(c, i, t, scales));
+      furthest_[layer][rows[i]] = std::max(furthest_[layer][rows[i]], ref_[layer][rows[i]].size());
     }
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const Stream<T>& ref = ref_[layer][rows[i]];
       const std::vector<char> present = format_.check(history, i, layer, ref, "row update's history");
-      CACHE_FUZZ_REQUIRE(std::count(present.begin(), present.end(), 1) == static_cast<std::ptrdiff_t>(ref.size()),
-                         "row update's history: positions of slot " + str(rows[i]) + " missing");
+      check_held(present, ref, p.per_row[i].empty() ? ref.size() : static_cast<std::size_t>(p.per_row[i][0]),
+                 "row update's history", layer);
       streams.push_back(&ref);
     }
+    CACHE_FUZZ_REQUIRE(rows.empty() || (history.window == window() && history.sinks == sinks()),
+                       "row update's history: window");
     if (rows.empty()) CACHE_FUZZ_REQUIRE(history.tokens() == 0, "an update of no rows returned keys");
     if (in.one_in(2)) {  // a read of the layer is no mutating call: what update() returned stays valid
       expect(Expect::none, "history", [&] { (void)cache_.history(layer); });
       for (std::size_t i = 0; i < rows.size(); ++i)
         (void)format_.check(history, i, layer, ref_[layer][rows[i]], "row update's history after history(layer)");
     }
-    if (in.one_in(3)) format_.check_attention(history, layer, streams, p.per_row, 0, 0, s_.group, in);
+    if (in.one_in(3)) format_.check_attention(history, layer, streams, p.per_row, window(), sinks(), s_.group, in);
     return true;
   }
 
@@ -1061,7 +1117,7 @@ class SlotHarness {
     for (std::size_t r = 0; r < s_.slots && expected == Expect::none && tokens != 0; ++r) {
       if (ref_[layer][r].size() != start)
         expected = Expect::invalid_argument;
-      else if (tokens > s_.capacity - start)
+      else if (tokens > s_.capacity - start || wraps(start, tokens))
         expected = Expect::length_error;
     }
     History<T> history;
@@ -1076,10 +1132,9 @@ class SlotHarness {
     for (std::size_t r = 0; r < s_.slots; ++r) {
       acquired_[r] = 1;
       for (std::size_t t = 0; t < tokens; ++t) ref_[layer][r].push_back(format_.encode(c, r, t, scales));
+      furthest_[layer][r] = std::max(furthest_[layer][r], ref_[layer][r].size());
       const std::vector<char> present = format_.check(history, r, layer, ref_[layer][r], "update's history");
-      CACHE_FUZZ_REQUIRE(
-          std::count(present.begin(), present.end(), 1) == static_cast<std::ptrdiff_t>(ref_[layer][r].size()),
-          "update's history: positions missing");
+      check_held(present, ref_[layer][r], start, "update's history", layer);
     }
   }
 
@@ -1094,7 +1149,7 @@ class SlotHarness {
       streams.push_back(&ref_[layer][r]);
       queries.push_back({static_cast<std::int64_t>(ref_[layer][r].size())});
     }
-    format_.check_attention(history, layer, streams, queries, 0, 0, s_.group, in);
+    format_.check_attention(history, layer, streams, queries, window(), sinks(), s_.group, in);
   }
 
   void acquire(Snapshot& last) {
@@ -1125,6 +1180,7 @@ class SlotHarness {
     }
     acquired_[row] = 0;
     for (auto& layer : ref_) layer[row].clear();
+    for (auto& layer : furthest_) layer[row] = 0;
   }
 
   void truncate_row(Bytes& in, Snapshot& last) {
@@ -1132,7 +1188,11 @@ class SlotHarness {
     const std::size_t n = in.pick(0, (row < s_.slots ? min_over_layers(row) : 0) + 1);
     g_context = "SlotKvCache truncate(" + str(row) + ", " + str(n) + ")";
     const Expect expected = row >= s_.slots || n > min_over_layers(row) ? Expect::out_of_range : Expect::none;
-    expect(expected, "truncate(row, n)", [&] { cache_.truncate(row, n); });
+    if (expected == Expect::none && !must_truncate(row, n)) {  // a window may have lost what n reads
+      if (!taken("truncate(row, n)", [&] { cache_.truncate(row, n); })) return unchanged(last);
+    } else {
+      expect(expected, "truncate(row, n)", [&] { cache_.truncate(row, n); });
+    }
     if (expected != Expect::none) {
       unchanged(last);
       return;
@@ -1146,7 +1206,13 @@ class SlotHarness {
     const std::size_t n = in.pick(0, held + 1);
     g_context = "SlotKvCache truncate(" + str(n) + ")";
     const Expect expected = n > held ? Expect::out_of_range : Expect::none;
-    expect(expected, "truncate(n)", [&] { cache_.truncate(n); });
+    bool must = true;
+    for (std::size_t r = 0; r < s_.slots; ++r) must = must && must_truncate(r, std::min(n, min_over_layers(r)));
+    if (expected == Expect::none && !must) {
+      if (!taken("truncate(n)", [&] { cache_.truncate(n); })) return unchanged(last);
+    } else {
+      expect(expected, "truncate(n)", [&] { cache_.truncate(n); });
+    }
     if (expected != Expect::none) {
       unchanged(last);
       return;
@@ -1171,6 +1237,7 @@ class SlotHarness {
     std::size_t room = s_.capacity;
     for (const std::size_t r : rows) room = std::min(room, s_.capacity - ref_[layer][r].size());
     std::size_t count = kind == 6 ? room + 1 : std::min(tokens, room);
+    if (s_.windowed && kind != 6) count = std::min(count, s_.slack + 1);  // no valid row's chunk wraps
     if (count == 0 && kind != 0 && kind != 1 && kind != 2 && kind != 3 && kind != 6) kind = 0;
     switch (kind) {
       case 0:
@@ -1236,6 +1303,18 @@ class SlotHarness {
     const Snapshot now = check_all();
     CACHE_FUZZ_REQUIRE(now == last, "a failed call changed the cache");
   }
+  /// Runs a call that may throw std::out_of_range (and nothing else); returns whether it returned.
+  template <class Call>
+  bool taken(const char* what, const Call& call) {
+    try {
+      call();
+    } catch (const std::exception& e) {
+      CACHE_FUZZ_REQUIRE(is(e, Expect::out_of_range),
+                         std::string(what) + " threw other than out_of_range: " + e.what());
+      return false;
+    }
+    return true;
+  }
 
   Snapshot check_all() {
     Snapshot snap;
@@ -1252,8 +1331,8 @@ class SlotHarness {
         agree = agree && ref.size() == ref_[0][r].size();
         longest = std::max(longest, ref.size());
         std::vector<char> present = format_.check(every, r, layer, ref, "history(layer)");
-        CACHE_FUZZ_REQUIRE(std::count(present.begin(), present.end(), 1) == static_cast<std::ptrdiff_t>(ref.size()),
-                           "history(layer): positions of slot " + str(r) + " missing");
+        check_held(present, ref, ref.size(), "history(layer)", layer);
+        held_[layer][r] = present;
         snap.present.push_back(std::move(present));
       }
       for (std::size_t r = 0; r < s_.slots; ++r) {
@@ -1297,6 +1376,8 @@ class SlotHarness {
   SlotKvCache<T> cache_;
   std::vector<std::vector<Stream<T>>> ref_;  // [layer][slot]
   std::vector<int> acquired_;
+  std::vector<std::vector<std::size_t>> furthest_;    // [layer][slot]: the most tokens since it was emptied
+  std::vector<std::vector<std::vector<char>>> held_;  // [layer][slot]: what its history held at the last check
 };
 
 // ---- PagedKvCache over a BlockPool -----------------------------------------------------------
@@ -1316,9 +1397,14 @@ class PagedHarness {
                               .block_tokens = s.block_tokens,
                               .blocks = s.blocks,
                               .capacity = s.pool_capacity,
+                              .window = s.windowed ? s.window : 0,
+                              .sinks = s.windowed ? s.sinks : 0,
+                              .slack = s.windowed ? s.slack : 0,
                               .key_scales = format_.config_keys(),
                               .value_scales = format_.config_values()}),
-        capacity_(s.pool_capacity == 0 ? s.blocks * s.block_tokens : s.pool_capacity) {}
+        capacity_(s.pool_capacity != 0 ? s.pool_capacity
+                  : s.windowed         ? std::numeric_limits<std::size_t>::max()
+                                       : s.blocks * s.block_tokens) {}
 
   void run(Bytes& in) {
     Snapshot last = check_all();
@@ -1340,7 +1426,11 @@ class PagedHarness {
           break;
         }
         case 3:
-          update(in, at, in.pick(0, s_.layers - 1), chunk_tokens(in));
+          if (kind / 13 % 2 == 0) {
+            update(in, at, in.pick(0, s_.layers - 1), chunk_tokens(in));
+          } else {
+            batch(in, last);
+          }
           break;
         case 4:
           reuse_prefix(in, at, last);
@@ -1361,7 +1451,12 @@ class PagedHarness {
           if (kind / 13 % 3 == 0) {
             g_context = "PagedKvCache reset";
             seqs_[at].cache->reset();
-            seqs_[at] = Seq{std::move(seqs_[at].cache), {}, {}, 0, std::vector<Stream<T>>(s_.layers)};
+            seqs_[at] = Seq{std::move(seqs_[at].cache),
+                            {},
+                            {},
+                            0,
+                            std::vector<Stream<T>>(s_.layers),
+                            std::vector<std::size_t>(s_.layers, 0)};
           } else {
             read_attention(in, at);
           }
@@ -1382,11 +1477,13 @@ class PagedHarness {
     std::vector<std::uint64_t> prefix;  // a hash of ids[0..p], which position p's data is made from
     std::size_t known = 0;              // ids the cache was given
     std::vector<Stream<T>> layers;
+    std::vector<std::size_t> needs;  // per layer, the first position its history reads besides the sinks
   };
 
   void open(std::size_t at) {
     g_context = "PagedKvCache open";
-    seqs_[at] = Seq{std::make_unique<PagedKvCache<T>>(pool_), {}, {}, 0, std::vector<Stream<T>>(s_.layers)};
+    seqs_[at] = Seq{std::make_unique<PagedKvCache<T>>(pool_), {}, {}, 0, std::vector<Stream<T>>(s_.layers),
+                    std::vector<std::size_t>(s_.layers, 0)};
   }
   void drop(std::size_t at) {
     g_context = "PagedKvCache drop";
@@ -1445,16 +1542,82 @@ class PagedHarness {
     return c;
   }
 
-  /// How many blocks an update of [start, start + tokens) needs: those past the table, and a
-  /// copy of each shared one it writes into.
-  [[nodiscard]] std::size_t blocks_needed(const Seq& s, std::size_t start, std::size_t tokens) const {
-    if (tokens == 0) return 0;
-    const std::size_t b = s_.block_tokens;
+  [[nodiscard]] std::size_t window() const { return s_.windowed ? s_.window : 0; }
+  [[nodiscard]] std::size_t sinks() const { return s_.windowed ? s_.sinks : 0; }
+  /// The first position a query at `query` reads besides the sinks.
+  [[nodiscard]] std::size_t window_from(std::size_t query) const {
+    return s_.windowed && query + 1 > s_.window ? query + 1 - s_.window : 0;
+  }
+  [[nodiscard]] std::size_t sink_blocks() const {
+    return s_.windowed ? (s_.sinks + s_.block_tokens - 1) / s_.block_tokens : 0;
+  }
+  [[nodiscard]] static std::size_t given_back(const Seq& s) {
     const std::span<const std::size_t> table = s.cache->block_table();
-    std::size_t needed = 0;
-    for (std::size_t j = start / b; j <= (start + tokens - 1) / b; ++j)
-      if (j >= table.size() || holders(table[j]) > 1) ++needed;
-    return needed;
+    return static_cast<std::size_t>(std::count(table.begin(), table.end(), PagedKvCache<T>::kReleased));
+  }
+  /// The blocks [first, end) of the table an update of `layer` from `start` gives back: those
+  /// wholly before every layer's window less the slack, past the sinks' and those given back.
+  [[nodiscard]] std::pair<std::size_t, std::size_t> releases(const Seq& s, std::size_t layer, std::size_t start) const {
+    const std::size_t first = sink_blocks() + given_back(s);
+    if (!s_.windowed) return {first, first};
+    std::size_t bound = std::max(s.needs[layer], window_from(start));
+    for (std::size_t l = 0; l < s_.layers; ++l)
+      if (l != layer) bound = std::min(bound, s.needs[l]);
+    bound = bound > s_.slack ? bound - s_.slack : 0;
+    return {first, std::max(first, std::min(bound / s_.block_tokens, s.cache->block_table().size()))};
+  }
+  /// Whether updates of `layer` writing `tokens` into each of `rows` (sequences, from their own
+  /// lengths) find their blocks, counted together in order: the free ones and those the writes
+  /// give back; a shared one each writes into is copied unless it is the last holder.
+  [[nodiscard]] bool fits(const std::vector<std::size_t>& rows, std::size_t layer, std::size_t tokens) const {
+    std::map<std::size_t, std::size_t> counts;
+    std::size_t free = pool_.free_blocks();
+    const auto count = [&](std::size_t b) {
+      const auto it = counts.find(b);
+      return it == counts.end() ? holders(b) : it->second;
+    };
+    for (const std::size_t r : rows) {
+      const Seq& s = seqs_[r];
+      const std::size_t start = length(s, layer), b = s_.block_tokens;
+      const std::span<const std::size_t> table = s.cache->block_table();
+      const auto [first, end] = releases(s, layer, start);
+      for (std::size_t j = first; j < end; ++j) {
+        counts[table[j]] = count(table[j]) - 1;
+        if (counts[table[j]] == 0) ++free;
+      }
+      std::size_t needed = 0;
+      for (std::size_t j = start / b; tokens != 0 && j <= (start + tokens - 1) / b; ++j) {
+        if (j >= table.size()) {
+          ++needed;
+        } else if (count(table[j]) > 1) {
+          ++needed;
+          counts[table[j]] = count(table[j]) - 1;
+        }
+      }
+      if (needed > free) return false;
+      free -= needed;
+    }
+    return true;
+  }
+  [[nodiscard]] bool fits(std::size_t at, std::size_t layer, std::size_t tokens) const {
+    return fits(std::vector<std::size_t>{at}, layer, tokens);
+  }
+  /// A history of sequence s in `layer`: every position a query from `from` on reads, and with a
+  /// window nothing before its window but the sinks' blocks and the window's first block.
+  void check_held(const Seq& s, const std::vector<char>& present, std::size_t layer, std::size_t from,
+                  const char* what) const {
+    const std::size_t n = length(s, layer);
+    if (!s_.windowed) {
+      CACHE_FUZZ_REQUIRE(std::count(present.begin(), present.end(), 1) == static_cast<std::ptrdiff_t>(n),
+                         std::string(what) + ": positions missing");
+      return;
+    }
+    check_required(present, from, n, s_.sinks, what, layer);
+    const std::size_t b = s_.block_tokens;
+    for (std::size_t p = sink_blocks() * b; p < from / b * b && p < present.size(); ++p) {
+      CACHE_FUZZ_REQUIRE(present[p] == 0, std::string(what) + " layer " + str(layer) + ": position " + str(p) +
+                                              " returned, before the window from " + str(from));
+    }
   }
   [[nodiscard]] std::size_t holders(std::size_t block) const {
     std::size_t n = 0;
@@ -1472,7 +1635,7 @@ class PagedHarness {
     ensure_ids(in, s, start + tokens);
     const Chunk<In> c = canonical(s, layer, start, tokens);
     const std::vector<std::int64_t> positions = arange(start, tokens);
-    if (tokens > capacity_ - std::min(capacity_, start) || blocks_needed(s, start, tokens) > pool_.free_blocks()) {
+    if (tokens > capacity_ - std::min(capacity_, start) || !fits(at, layer, tokens)) {
       const Snapshot before = check_all();  // earlier layers of a pass changed the cache
       expect(Expect::length_error, "update past capacity or out of blocks",
              [&] { (void)s.cache->update(layer, c.kv(false), c.kv(true), positions); });
@@ -1484,13 +1647,94 @@ class PagedHarness {
     expect(Expect::none, "update", [&] { history = s.cache->update(layer, c.kv(false), c.kv(true), positions); });
     format_.commit(layer, scales);
     for (std::size_t t = 0; t < tokens; ++t) s.layers[layer].push_back(format_.encode(c, 0, t, scales));
+    s.needs[layer] = std::max(s.needs[layer], window_from(start));
     const std::vector<char> present = format_.check(history, 0, layer, s.layers[layer], "update's history");
-    CACHE_FUZZ_REQUIRE(std::count(present.begin(), present.end(), 1) == static_cast<std::ptrdiff_t>(start + tokens),
-                       "update's history: positions missing");
+    check_held(s, present, layer, s.needs[layer], "update's history");
+    CACHE_FUZZ_REQUIRE(history.window == window() && history.sinks == sinks(), "update's history: window");
     if (in.one_in(3)) {
-      format_.check_attention(history, layer, {&s.layers[layer]}, {positions}, 0, 0, s_.group, in);
+      format_.check_attention(history, layer, {&s.layers[layer]}, {positions}, window(), sinks(), s_.group, in);
     }
     return true;
+  }
+
+  /// Some live sequences, distinct and in any order, as the rows of one PagedBatch: a chunk of
+  /// equal size into each through every layer (maybe stopped part-way; out of blocks or capacity
+  /// must throw std::length_error and change nothing), or attention over the batch's history.
+  void batch(Bytes& in, Snapshot& last) {
+    std::vector<std::size_t> rows;
+    for (std::size_t i = 0; i < kSequences; ++i) {
+      if (seqs_[i].cache && in.one_in(2))
+        rows.insert(rows.begin() + static_cast<std::ptrdiff_t>(in.pick(0, rows.size())), i);
+    }
+    if (rows.empty()) return;
+    std::vector<PagedKvCache<T>*> members;
+    for (const std::size_t r : rows) members.push_back(seqs_[r].cache.get());
+    g_context = "PagedBatch of " + str(rows.size());
+    PagedBatch<T> batch(members);
+    if (in.one_in(4)) {  // a read: every row's next query over the batch's history
+      const std::size_t layer = in.pick(0, s_.layers - 1);
+      History<T> history;
+      expect(Expect::none, "PagedBatch history", [&] { history = batch.history(layer); });
+      std::vector<const Stream<T>*> streams;
+      std::vector<std::vector<std::int64_t>> queries;
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        const Seq& s = seqs_[rows[i]];
+        const std::vector<char> present = format_.check(history, i, layer, s.layers[layer], "PagedBatch history");
+        check_held(s, present, layer, s.needs[layer], "PagedBatch history");
+        streams.push_back(&s.layers[layer]);
+        queries.push_back({static_cast<std::int64_t>(length(s, layer))});
+      }
+      format_.check_attention(history, layer, streams, queries, window(), sinks(), s_.group, in);
+      return;
+    }
+    const std::size_t tokens = chunk_tokens(in);
+    const std::size_t stop = in.one_in(5) ? in.pick(1, s_.layers) : s_.layers;
+    for (std::size_t layer = 0; layer < stop; ++layer) {
+      g_context = "PagedBatch of " + str(rows.size()) + " update layer " + str(layer) + " tokens " + str(tokens);
+      Chunk<In> c{{rows.size(), format_.heads(), tokens, format_.dim()}, {}, {}};
+      std::vector<std::int64_t> positions;
+      bool room = true;
+      for (const std::size_t r : rows) {
+        Seq& s = seqs_[r];
+        const std::size_t start = length(s, layer);
+        ensure_ids(in, s, start + tokens);
+        const Chunk<In> own = canonical(s, layer, start, tokens);
+        c.k.insert(c.k.end(), own.k.begin(), own.k.end());
+        c.v.insert(c.v.end(), own.v.begin(), own.v.end());
+        const std::vector<std::int64_t> p = arange(start, tokens);
+        positions.insert(positions.end(), p.begin(), p.end());
+        room = room && tokens <= capacity_ - std::min(capacity_, start);
+      }
+      if (positions.empty()) positions.push_back(0);  // a valid pointer for no tokens
+      const Positions given(positions.data(), tokens, tokens);
+      if (!room || !fits(rows, layer, tokens)) {
+        const Snapshot before = check_all();  // earlier layers of a pass changed the cache
+        expect(Expect::length_error, "PagedBatch update past capacity or out of blocks",
+               [&] { (void)batch.update(layer, c.kv(false), c.kv(true), given); });
+        unchanged(before);
+        return;
+      }
+      const auto scales = format_.prepared(layer, c);
+      History<T> history;
+      expect(Expect::none, "PagedBatch update", [&] { history = batch.update(layer, c.kv(false), c.kv(true), given); });
+      format_.commit(layer, scales);
+      std::vector<const Stream<T>*> streams;
+      std::vector<std::vector<std::int64_t>> queries;
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        Seq& s = seqs_[rows[i]];
+        const std::size_t start = length(s, layer);
+        for (std::size_t t = 0; t < tokens; ++t) s.layers[layer].push_back(format_.encode(c, i, t, scales));
+        s.needs[layer] = std::max(s.needs[layer], window_from(start));
+        const std::vector<char> present =
+            format_.check(history, i, layer, s.layers[layer], "PagedBatch update's history");
+        check_held(s, present, layer, s.needs[layer], "PagedBatch update's history");
+        streams.push_back(&s.layers[layer]);
+        queries.push_back(arange(start, tokens));
+      }
+      CACHE_FUZZ_REQUIRE(history.window == window() && history.sinks == sinks(), "PagedBatch history: window");
+      if (in.one_in(3)) format_.check_attention(history, layer, streams, queries, window(), sinks(), s_.group, in);
+    }
+    (void)last;
   }
 
   void read_attention(Bytes& in, std::size_t at) {
@@ -1499,8 +1743,8 @@ class PagedHarness {
     g_context = "PagedKvCache attention over history(" + str(layer) + ")";
     History<T> history;
     expect(Expect::none, "history", [&] { history = s.cache->history(layer); });
-    format_.check_attention(history, layer, {&s.layers[layer]}, {{static_cast<std::int64_t>(length(s, layer))}}, 0, 0,
-                            s_.group, in);
+    format_.check_attention(history, layer, {&s.layers[layer]}, {{static_cast<std::int64_t>(length(s, layer))}},
+                            window(), sinks(), s_.group, in);
   }
 
   void reuse_prefix(Bytes& in, std::size_t at, Snapshot& last) {
@@ -1540,6 +1784,7 @@ class PagedHarness {
                        "reuse_prefix returned " + str(skip) + " of " + str(prompt.size()));
     s.known = prompt.size();
     set_ids(s, std::move(prompt));
+    std::fill(s.needs.begin(), s.needs.end(), window_from(skip));
     for (std::size_t layer = 0; layer < s_.layers; ++layer) {
       const Chunk<In> c = canonical(s, layer, 0, skip);
       const auto scales = format_.prepared(layer, c);  // the pool's own: a reused block was written with them
@@ -1580,6 +1825,7 @@ class PagedHarness {
     copy.known = std::min(held, s.known);
     set_ids(copy, std::vector<TokenId>(s.ids.begin(), s.ids.begin() + static_cast<std::ptrdiff_t>(held)));
     copy.layers = s.layers;
+    copy.needs = s.needs;
     seqs_[to] = std::move(copy);
   }
 
@@ -1587,7 +1833,11 @@ class PagedHarness {
     Seq& s = seqs_[at];
     const std::size_t n = in.pick(0, shortest(s) + 1);
     g_context = "PagedKvCache " + str(at) + " truncate(" + str(n) + ")";
-    const Expect expected = n > shortest(s) ? Expect::out_of_range : Expect::none;
+    // A windowed sequence cannot go back into the blocks it gave back, nor to a query that reads them.
+    const std::size_t gap_begin = sink_blocks() * s_.block_tokens;
+    const std::size_t gap_end = (sink_blocks() + given_back(s)) * s_.block_tokens;
+    const bool gone = gap_end > gap_begin && n > gap_begin && std::max(sinks(), window_from(n)) < gap_end;
+    const Expect expected = n > shortest(s) || gone ? Expect::out_of_range : Expect::none;
     expect(expected, "truncate", [&] { s.cache->truncate(n); });
     if (expected != Expect::none) {
       unchanged(last);
@@ -1597,6 +1847,7 @@ class PagedHarness {
     s.ids.resize(std::min(s.ids.size(), n));
     s.prefix.resize(s.ids.size());
     s.known = std::min(s.known, n);
+    std::fill(s.needs.begin(), s.needs.end(), window_from(n));
   }
 
   void bad_call(Bytes& in, std::size_t at, Snapshot& last) {
@@ -1614,10 +1865,13 @@ class PagedHarness {
     // Out of blocks: the fewest tokens, within capacity, that need more blocks than are free.
     if (kind == 6) {
       tokens = 0;
-      for (std::size_t t = 1; t <= room && tokens == 0; ++t)
-        if (blocks_needed(s, start, t) > pool_.free_blocks()) tokens = t;
+      for (std::size_t t = 1; t <= std::min<std::size_t>(room, 64) && tokens == 0; ++t)
+        if (!fits(at, layer, t)) tokens = t;
     }
-    if (kind == 7) tokens = room + 1 + in.pick(0, 2);
+    if (kind == 7) {  // past capacity, which a windowed pool without one has not
+      tokens = room + 1 + in.pick(0, 2);
+      if (capacity_ == std::numeric_limits<std::size_t>::max()) tokens = 0;
+    }
     if (tokens == 0) kind = 0;
     Rng rng(in.byte() + 55 * s_.seed);
     Chunk<In> c = format_.chunk(1, tokens, 1.0F, rng);
@@ -1626,7 +1880,7 @@ class PagedHarness {
     Positions given = positions;
     std::size_t at_layer = layer;
     // Values are looked at after the blocks are counted.
-    const bool blocks_short = kind == 5 && blocks_needed(s, start, tokens) > pool_.free_blocks();
+    const bool blocks_short = kind == 5 && !fits(at, layer, tokens);
     Expect expected = Expect::invalid_argument;
     Chunk<In> other;
     switch (kind) {
@@ -1700,8 +1954,7 @@ class PagedHarness {
         History<T> history;
         expect(Expect::none, "history", [&] { history = s.cache->history(layer); });
         std::vector<char> present = format_.check(history, 0, layer, s.layers[layer], "sequence history");
-        CACHE_FUZZ_REQUIRE(std::count(present.begin(), present.end(), 1) == static_cast<std::ptrdiff_t>(n),
-                           "sequence " + str(i) + " history: positions missing");
+        check_held(s, present, layer, s.needs[layer], "sequence history");
         snap.present.push_back(std::move(present));
       }
       if (agree) {
@@ -1716,12 +1969,13 @@ class PagedHarness {
                                                      str(longest(s)) + " tokens");
       CACHE_FUZZ_REQUIRE(longest(s) <= capacity_, "sequence " + str(i) + " holds " + str(longest(s)) +
                                                       " tokens, past its capacity " + str(capacity_));
-      CACHE_FUZZ_REQUIRE(s.cache->bytes() == table.size() * pool_.block_bytes(), "bytes()");
+      CACHE_FUZZ_REQUIRE(s.cache->bytes() == (table.size() - given_back(s)) * pool_.block_bytes(), "bytes()");
       CACHE_FUZZ_REQUIRE(s.cache->capacity() == capacity_, "capacity()");
       format_.check_counts(*s.cache);
       snap.numbers.push_back(table.size());
       snap.numbers.insert(snap.numbers.end(), table.begin(), table.end());
-      for (const std::size_t b : table) held[b] = 1;
+      for (const std::size_t b : table)
+        if (b != PagedKvCache<T>::kReleased) held[b] = 1;
     }
     const auto used = static_cast<std::size_t>(std::count(held.begin(), held.end(), 1));
     CACHE_FUZZ_REQUIRE(pool_.free_blocks() == s_.blocks - used,
