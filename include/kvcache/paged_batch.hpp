@@ -15,9 +15,11 @@
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/checks.hpp"
 #include "kvcache/paged_kv_cache.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
 namespace kvcache {
+inline namespace KVCACHE_ABI {
 
 /// Several sequences of one BlockPool as the rows of a batch, so that a forward pass writes them
 /// together and attention reads them in one call: batch row i is sequence i. A view of their
@@ -264,4 +266,5 @@ class PagedBatch : public detail::ComputeTypeUpdates<PagedBatch<T>, T>, public d
 
 static_assert(row_cache_protocol<PagedBatch<float>>);
 
+}  // namespace KVCACHE_ABI
 }  // namespace kvcache

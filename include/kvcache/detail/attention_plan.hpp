@@ -16,9 +16,12 @@
 #include <vector>
 
 #include "kvcache/detail/worker_pool.hpp"
+#include "kvcache/version.hpp"
 #include "kvcache/views.hpp"
 
-namespace kvcache::detail {
+namespace kvcache {
+inline namespace KVCACHE_ABI {
+namespace detail {
 
 /// One work item: the queries [first_query, first_query + queries) of kv head `kv_head` of the
 /// batch rows `members` (empty: of `batch` alone), over keys [key_begin, key_end) of `batch`'s
@@ -304,4 +307,6 @@ AttentionPlan plan_attention(std::span<const Segment<T>> segments, const PlanSha
   return plan;
 }
 
-}  // namespace kvcache::detail
+}  // namespace detail
+}  // namespace KVCACHE_ABI
+}  // namespace kvcache
