@@ -437,9 +437,16 @@ class Format {
       shared = shared && p == q_positions[0];
     }
     const Positions positions = shared ? Positions(flat.data(), tokens) : Positions(flat.data(), tokens, tokens);
-    // Small tiles make the key cursor cross segments and tiles inside one call.
-    const std::size_t tile = in.one_in(2) ? std::size_t{512} << 10 : std::size_t{16} << in.pick(0, 8);
-    const AttentionOptions options{.threads = 1, .tuning = {.tile_bytes = tile}};
+    // Runs of every length, the prefetch reaching past a run's segment or not at all.
+    const std::size_t run = in.one_in(2) ? std::size_t{16} : in.pick(1, 40);
+    const std::size_t ahead = in.one_in(2) ? std::size_t{1024} : std::size_t{64} * in.pick(0, 8);
+    // Either as from memory (runs of `run`, rows asked for ahead) or as from cache.
+    const std::size_t in_cache_bytes = in.one_in(2) ? std::size_t{0} : AttentionTuning{}.in_cache_bytes;
+    const AttentionOptions options{.threads = 1,
+                                   .tuning = {.run_keys = run,
+                                              .prefetch_bytes = ahead,
+                                              .in_cache_bytes = in_cache_bytes,
+                                              .cached_run_keys = in.pick(1, 256)}};
     expect(Expect::none, "causal_attention", [&] { attend(q, shape, positions, history, out, options); });
 
     const double scale = 1.0 / std::sqrt(static_cast<double>(dim_));

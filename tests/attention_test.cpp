@@ -707,11 +707,11 @@ TEST(AttentionViews, OutMayBeQItself) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tiles: the shortest tiles the tuning allows (one register of keys) give what the default
+// Runs: the shortest runs the tuning allows (one key) give what the default
 // ones give, for every format, so the running max and sum carry across every boundary.
 
 template <class T>
-void expect_tile_length_changes_nothing() {
+void expect_run_length_changes_nothing() {
   for (const std::size_t dim : {std::size_t{24}, std::size_t{64}}) {
     const std::size_t keys = 700;
     const Block<T> k({1, 2, keys, dim}, 41);
@@ -721,21 +721,21 @@ void expect_tile_length_changes_nothing() {
     const auto history = cache.update(0, k.view(), v.view(), arange(0, keys));
     const std::vector<std::int64_t> positions = arange(keys - 3, 3);
     std::vector<float> whole(q.data.size());
-    std::vector<float> short_tiles(q.data.size());
+    std::vector<float> short_runs(q.data.size());
     causal_attention(q.view(), positions, history, TensorView<float>(whole.data(), q.shape));
-    causal_attention(q.view(), positions, history, TensorView<float>(short_tiles.data(), q.shape),
-                     {.tuning = {.tile_bytes = 1, .prefetch_bytes = 256}});
+    causal_attention(q.view(), positions, history, TensorView<float>(short_runs.data(), q.shape),
+                     {.tuning = {.run_keys = 1, .prefetch_bytes = 256, .in_cache_bytes = 0}});
     const Dense want = reference_attention(exact(q), positions, exact(k), exact(v), 1.0 / std::sqrt(double(dim)), {});
-    EXPECT_LE(max_error<float>(TensorView<const float>(short_tiles.data(), q.shape), want), 2e-5) << "D " << dim;
+    EXPECT_LE(max_error<float>(TensorView<const float>(short_runs.data(), q.shape), want), 2e-5) << "D " << dim;
     EXPECT_LE(max_error<float>(TensorView<const float>(whole.data(), q.shape), want), 2e-5) << "D " << dim;
   }
 }
 
-TEST(AttentionTiles, ShortTilesAndPrefetchGiveTheSameResultForEveryFormat) {
-  expect_tile_length_changes_nothing<float>();
-  expect_tile_length_changes_nothing<double>();
-  expect_tile_length_changes_nothing<Eigen::half>();
-  expect_tile_length_changes_nothing<Eigen::bfloat16>();
+TEST(AttentionRuns, ShortRunsAndPrefetchGiveTheSameResultForEveryFormat) {
+  expect_run_length_changes_nothing<float>();
+  expect_run_length_changes_nothing<double>();
+  expect_run_length_changes_nothing<Eigen::half>();
+  expect_run_length_changes_nothing<Eigen::bfloat16>();
 }
 
 // ---------------------------------------------------------------------------------------------

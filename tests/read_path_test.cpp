@@ -70,14 +70,16 @@ TEST(StorageCodec, ATestOnlyFormatWithRowScalesReadsAsPlainFloat) {
   KvCache<float> plain({.layers = 1, .batch = 2, .kv_heads = 2, .head_dim = dim, .capacity = keys});
   KvCache<kvcache_test::Pow2Rows> scaled({.layers = 1, .batch = 2, .kv_heads = 2, .head_dim = dim, .capacity = keys});
   RingKvCache<kvcache_test::Pow2Rows> ring({.layers = 1, .batch = 2, .kv_heads = 2, .head_dim = dim, .window = 300});
-  const auto want = attend(plain.update(0, k.view(), v.view(), arange(0, keys)), q, positions, {.window = 300});
-  const auto got = attend(scaled.update(0, k.view(), v.view(), arange(0, keys)), q, positions, {.window = 300});
+  // Runs of 16 keys, which the ring's segments end on as the contiguous rows do: the same bits.
+  const AttentionOptions options{.window = 300, .tuning = {.in_cache_bytes = 0}};
+  const auto want = attend(plain.update(0, k.view(), v.view(), arange(0, keys)), q, positions, options);
+  const auto got = attend(scaled.update(0, k.view(), v.view(), arange(0, keys)), q, positions, options);
   for (std::size_t done = 0; done < keys - 5; done += 100) {
     const std::size_t n = std::min<std::size_t>(100, keys - 5 - done);
     (void)ring.update(0, k.view().tokens(done, n), v.view().tokens(done, n), arange(done, n));
   }
-  const auto ring_got =
-      attend(ring.update(0, k.view().tokens(keys - 5, 5), v.view().tokens(keys - 5, 5), positions), q, positions);
+  const auto ring_got = attend(ring.update(0, k.view().tokens(keys - 5, 5), v.view().tokens(keys - 5, 5), positions), q,
+                               positions, {.tuning = options.tuning});
   EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(want.data(), ring_got.data(), want.size() * sizeof(float)));
   // The rows really are stored scaled: the first row's largest value is at most 1 and its scale
@@ -115,15 +117,25 @@ void expect_pages_read_as_one_segment(std::size_t dim, std::size_t keys, std::si
   }
   const std::vector<std::int64_t> query = arange(keys, 1);
   for (const std::size_t threads : {std::size_t{1}, std::size_t{2}}) {
-    const AttentionOptions options{.window = window, .sinks = window != 0 ? 4U : 0U, .threads = threads};
+    // As from memory: runs of run_keys, rows asked for ahead across pages.
+    const AttentionOptions options{
+        .window = window, .sinks = window != 0 ? 4U : 0U, .threads = threads, .tuning = {.in_cache_bytes = 0}};
     const auto want = attend(History<T>{std::span(&whole, 1)}, q, query, options);
     const auto got = attend(History<T>{pages}, q, query, options);
-    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
-        << pages.size() << " pages of " << page << ", D " << dim << ", threads " << threads;
+    // Pages that are whole runs fold the softmax where one segment does: the same bits. Other
+    // pages cut runs elsewhere, which moves only the rounding.
+    if (page % AttentionTuning{}.run_keys == 0) {
+      EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
+          << pages.size() << " pages of " << page << ", D " << dim << ", threads " << threads;
+    } else {
+      float worst = 0;
+      for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(want[i] - got[i]));
+      EXPECT_LE(worst, 1e-6F) << pages.size() << " pages of " << page << ", D " << dim << ", threads " << threads;
+    }
   }
 }
 
-TEST(KeyCursor, ThousandsOfSixteenTokenPagesReadAsOneSegment) {
+TEST(KeyCursor, ThousandsOfPagesReadAsOneSegment) {
   expect_pages_read_as_one_segment<float>(128, 32768, 16, 4, 0);
   expect_pages_read_as_one_segment<bfloat16>(128, 32768, 16, 1, 0);
   expect_pages_read_as_one_segment<half>(64, 5000, 7, 2, 1000);

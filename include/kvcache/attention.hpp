@@ -127,7 +127,8 @@ void check_attention(const TensorView<const Q>& q, const Positions& q_positions,
 template <std::size_t B, class T, std::size_t Dim = 0>
 void attend(const QueryRows<acc_type<T>>& q, const History<T>& history, const VisibilityRule& rule, acc_type<T> scale,
             const AttentionOptions& options) {
-  const AttentionKernel<T, B, Dim> kernel(q, history, rule, scale, options.tuning);
+  const std::vector<std::int64_t> starts = consecutive_starts(history.segments, q.shape.batch);
+  const AttentionKernel<T, B, Dim> kernel(q, history, starts, rule, scale, options.tuning);
   run_attention(kernel, history, q.shape.batch, history.segments.front().keys.heads(), q.shape.tokens, q.shape.head_dim,
                 options.threads, options.tuning);
 }

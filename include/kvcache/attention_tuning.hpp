@@ -9,15 +9,22 @@ namespace kvcache {
 inline namespace KVCACHE_ABI {
 
 /// What causal_attention leaves to the machine, with defaults that suit the processors it was
-/// measured on (docs/attention.md says how). Results never depend on these; only speed does.
+/// measured on (docs/attention.md says how). Results depend on these only by rounding (run_keys
+/// sets where the online softmax folds); speed depends on them.
 ///
-///   kvcache::causal_attention(q, positions, history, out, {.tuning = {.tile_bytes = 256 << 10}});
+///   kvcache::causal_attention(q, positions, history, out, {.tuning = {.prefetch_bytes = 0}});
 struct AttentionTuning {
-  /// Stored K bytes a tile holds: its K and V stay in L2 for the passes that read them again.
-  std::size_t tile_bytes = std::size_t{512} << 10;
-  /// How far ahead (in bytes of K or V rows) the passes that read a tile from memory ask for
-  /// rows; 0 leaves it to the hardware prefetcher.
-  std::size_t prefetch_bytes = 0;
+  /// Keys a run takes (at most 256) when the call reads from memory: each run is scored and
+  /// summed before the next, so K and V are read as two streams that advance together.
+  std::size_t run_keys = 16;
+  /// How far ahead (in bytes of K or V rows) the rows after a run's are asked for while it is
+  /// scored, when the call reads from memory; 0 leaves it to the hardware prefetcher.
+  std::size_t prefetch_bytes = 1024;
+  /// A call over fewer stored K and V bytes than this is taken to read from cache: it runs
+  /// cached_run_keys at a time (a run's fixed costs spread wider) and asks for nothing ahead.
+  std::size_t in_cache_bytes = std::size_t{8} << 20;
+  /// Keys a run takes (at most 256) when the call reads from cache.
+  std::size_t cached_run_keys = 256;
   /// K and V bytes a call reads per thread when the thread count is automatic.
   std::size_t bytes_per_thread = std::size_t{1} << 20;
 };

@@ -33,6 +33,14 @@
 //                                                       // applies to every row, and R^T: attention
 //                                                       // reads R q against the rows and writes
 //                                                       // R^T of what it sums, once per call
+//     static constexpr std::size_t split = 2;           // load_split gives 2 registers from the
+//     template <std::size_t B>                          // 2 B / 4 values from d on, register s
+//     static void load_split(const unit*, std::size_t d, Vec<float, B> (&)[2]) noexcept;  // lane l
+//                                                       // holding value d + 2 l + s
+//
+// A format whose stored bits fall apart into registers that way at less cost than in order (two
+// bfloat16 in a 32-bit word: a shift and a mask) names a split; the kernel then keeps queries and
+// sums in that order and puts each output row back in order once.
 //
 // A format with head_scales also has row_scales: its segments repeat the head's scale for
 // every row (a token stride of 0), so the kernel reads both kinds the same way. Without rotate,
@@ -170,6 +178,20 @@ struct SixteenBitCodec {
       return widen_bfloat16<B>(bits);
     }
   }
+  // bfloat16 is a float's top half: a word of two gives the even value by a shift and the odd
+  // one by a mask, no widening load. Half widens by one instruction in order.
+  static constexpr std::size_t split = is_bfloat16<T> ? 2 : 1;
+  template <std::size_t B>
+  KVCACHE_ALWAYS_INLINE static void load_split(const unit* row, std::size_t d, Vec<float, B> (&out)[split]) noexcept {
+    if constexpr (split == 2) {
+      const auto pairs =
+          in_register(detail::load<Vec<std::uint32_t, B>>(reinterpret_cast<const std::uint16_t*>(row) + d));
+      out[0] = std::bit_cast<Vec<float, B>>(pairs << 16);
+      out[1] = std::bit_cast<Vec<float, B>>(pairs & 0xFFFF0000U);
+    } else {
+      out[0] = load<B>(row, d);
+    }
+  }
   static float value(const unit* row, std::size_t d) noexcept { return widen(row[d]); }
 };
 
@@ -246,6 +268,16 @@ constexpr int load_exponent() noexcept {
     return storage_codec<T>::load_exponent;
   } else {
     return 0;
+  }
+}
+
+/// The registers format T's load_split fills at once (1 without one: rows load in order).
+template <class T>
+constexpr std::size_t split_of() noexcept {
+  if constexpr (requires { storage_codec<T>::split; }) {
+    return storage_codec<T>::split;
+  } else {
+    return 1;
   }
 }
 

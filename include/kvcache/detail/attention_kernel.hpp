@@ -1,14 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The tiled kernel behind causal_attention. A work item is one (batch row, kv head, block of
-// queries), or several batch rows that read the same keys, over a range of keys (attention_plan.hpp
-// forms them). Its rows are the G = H_q / H_kv query heads that share the kv head times the
-// block's queries, of every batch row it serves, so every K and V row read from memory serves
-// all of them. The key cursor gathers keys into tiles across
-// segments; for each tile: scores (K pass), mask, online max-subtracted softmax, weighted sum
-// of V rows (V pass). Rows are read only through the format's storage codec, and memory is
-// bounded by a tile.
+// The kernel behind causal_attention. A work item is one (batch row, kv head, block of queries)
+// and, when there are fewer items than threads, a range of its keys. Its rows are the G = H_q /
+// H_kv query heads that share the kv head times the block's queries, so every K and V row read
+// from memory serves all of them. The key cursor hands out runs of consecutive keys of one
+// segment; each run is scored, masked, folded into an online max-subtracted softmax and summed
+// into the rows' accumulators before the next, so K and V are read as two interleaved streams.
+// Rows are read only through the format's storage codec, and memory is bounded by a run.
 
 #include <algorithm>
 #include <atomic>
@@ -21,7 +20,6 @@
 
 #include "kvcache/attention_tuning.hpp"
 #include "kvcache/codec.hpp"
-#include "kvcache/detail/attention_plan.hpp"
 #include "kvcache/detail/key_cursor.hpp"
 #include "kvcache/detail/simd.hpp"
 #include "kvcache/detail/worker_pool.hpp"
@@ -121,6 +119,18 @@ constexpr Acc power_of_two(int e) noexcept {
   return x;
 }
 
+/// One work item: queries [first_query, first_query + queries) of kv head `kv_head` in batch
+/// row `batch`, over keys [key_begin, key_end) of that row's history.
+struct AttentionItem {
+  std::size_t batch = 0;
+  std::size_t kv_head = 0;
+  std::size_t first_query = 0;
+  std::size_t queries = 0;
+  std::size_t key_begin = 0;
+  std::size_t key_end = 0;
+  std::size_t partial = 0;  // where a split item leaves its running state
+};
+
 /// The kernel for storage format T in registers of B bytes; the head size must be a multiple
 /// of the register's lanes or take the scalar tail. Dim, where not 0, is the head size known at
 /// compile time.
@@ -131,7 +141,11 @@ class AttentionKernel {
   using Acc = typename Codec::acc;
   using Unit = typename Codec::unit;
   using V = Vec<Acc, B>;
+  using Run = KeyRun<Unit>;
   static constexpr std::size_t W = kLanes<V>;
+  // Registers a codec's load_split fills at once, from S W values: register s, lane l holds value
+  // S l + s of the group. Queries and sums keep that order over the whole groups of a row.
+  static constexpr std::size_t S = split_of<T>();
 
   // A codec's load may leave 2^-e out of its values (load_exponent): 2^(e/2) goes back in the
   // queries and the V weights, the rest in the scores and the output, so that products of small
@@ -142,102 +156,89 @@ class AttentionKernel {
   static constexpr Acc kUpperHalf = power_of_two<Acc>(kLoadExponent - kLoadExponent / 2);
   static constexpr Acc kUnload = power_of_two<Acc>(-kLoadExponent);  // for values read one at a time
 
-  /// One worker's scratch: a block's queries and running state, a tile's keys and scores.
+  /// One worker's scratch: a block's queries and running state, a run's scores.
   struct Workspace {
     std::vector<Acc> queries, acc, max, sum, scores;
-    std::vector<const Unit*> keys, values;
-    std::vector<std::int64_t> positions;
-    std::vector<float> key_scales, value_scales;
     std::vector<std::size_t> active;
-    std::vector<std::int64_t> query_positions;  // of each row of the item
   };
 
-  AttentionKernel(const QueryRows<Acc>& q, const History<T>& history, const VisibilityRule& rule, Acc scale,
-                  const AttentionTuning& tuning) noexcept
+  /// `starts`: the history's consecutive_starts for q's batch rows.
+  AttentionKernel(const QueryRows<Acc>& q, const History<T>& history, std::span<const std::int64_t> starts,
+                  const VisibilityRule& rule, Acc scale, const AttentionTuning& tuning) noexcept
       : q_(q),
         segments_(history.segments),
+        starts_(starts),
         rule_(rule),
         scale_(scale * kLowerHalf),
         dim_(q.shape.head_dim),
         group_(q.shape.heads / history.segments.front().keys.heads()),
+        split_dim_(S > 1 ? q.shape.head_dim / (S * W) * (S * W) : 0),
         block_queries_(std::clamp<std::size_t>(kTargetRows / group_, 1, std::max<std::size_t>(q.shape.tokens, 1))),
         rows_(group_ * block_queries_),
-        tile_(std::clamp<std::size_t>(tuning.tile_bytes / row_bytes(dim_), W, kMaxTileKeys) / W * W),
-        prefetch_keys_(tuning.prefetch_bytes / row_bytes(dim_)) {}
+        in_cache_(stored_bytes(history, dim_) < tuning.in_cache_bytes),
+        run_keys_(std::clamp<std::size_t>(in_cache_ ? tuning.cached_run_keys : tuning.run_keys, 1, kMaxRunKeys)),
+        prefetch_keys_(in_cache_ ? 0 : tuning.prefetch_bytes / row_bytes(dim_)) {}
+
+  /// K and V bytes of the rows the history's segments hold (a bound on what a call reads).
+  [[nodiscard]] static std::size_t stored_bytes(const History<T>& history, std::size_t dim) noexcept {
+    std::size_t rows = 0;
+    for (const Segment<T>& s : history.segments) rows += s.keys.shape().batch * s.keys.heads() * s.keys.tokens();
+    return 2 * rows * row_bytes(dim);
+  }
 
   /// Bytes of one stored K (or V) row at head size `dim`.
   [[nodiscard]] static std::size_t row_bytes(std::size_t dim) noexcept {
     return std::max<std::size_t>(Codec::units(dim) * sizeof(Unit), 1);
   }
   [[nodiscard]] std::size_t block_queries() const noexcept { return block_queries_; }
-  /// Acc values the running state of one batch row's block takes: max, sum and acc of each row.
+  /// Acc values a split item's running state takes: max, sum and acc of every row.
   [[nodiscard]] std::size_t partial_size() const noexcept { return rows_ * (dim_ + 2); }
-  /// Query rows of one batch row's block: an item scores this many per batch row it serves.
-  [[nodiscard]] std::size_t block_rows() const noexcept { return rows_; }
 
-  /// Sizes a worker's scratch for this call's items of up to `max_rows` query rows; kept by the
-  /// thread between calls, so a call allocates only when it needs more than the thread's last one did.
-  void prepare(Workspace& w, std::size_t max_rows) const {
+  /// Sizes a worker's scratch for this call; kept by the thread between calls, so a call
+  /// allocates only when it needs more than the thread's last one did.
+  void prepare(Workspace& w) const {
     const auto fit = [](auto& v, std::size_t n) {
       if (v.size() < n) v.resize(n);
     };
-    const std::size_t rows = std::max(rows_, max_rows);
-    fit(w.queries, rows * dim_);
-    fit(w.acc, rows * dim_);
-    fit(w.max, rows);
-    fit(w.sum, rows);
-    fit(w.query_positions, rows);
-    fit(w.scores, rows * scores_stride());
-    fit(w.keys, tile_);
-    fit(w.values, tile_);
-    fit(w.positions, tile_);
-    if constexpr (Codec::row_scales) {
-      fit(w.key_scales, tile_);
-      fit(w.value_scales, tile_);
-    }
-    w.active.reserve(rows);
+    fit(w.queries, rows_ * dim_);
+    fit(w.acc, rows_ * dim_);
+    fit(w.max, rows_);
+    fit(w.sum, rows_);
+    fit(w.scores, rows_ * scores_stride());
+    w.active.reserve(rows_);
   }
 
-  /// Runs one item; writes out, or each member's running state to its slot of `partials`.
+  /// Runs one item; writes out, or its running state to `partials` for a split item.
   void run(const AttentionItem& item, Workspace& w, Acc* partials) const noexcept {
-    // Row r serves member r / per_member, as row r % per_member of that member's block.
-    const std::size_t per_member = item.queries * group_;
-    const std::size_t rows = per_member * item.member_count();
+    const std::size_t rows = item.queries * group_;
     KeyBounds bounds{std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max(),
                      rule_.sinks_end()};
     for (std::size_t r = 0; r < rows; ++r) {
-      const std::size_t b = item.member(r / per_member);
-      const std::size_t t = item.first_query + r % per_member / group_;
-      q_.read(q_.q + q_.offset(q_.q_strides, b, head_of(item, r), t), w.queries.data() + r * dim_, dim_, scale_);
-      w.query_positions[r] = q_.position(b, t);
-      bounds.latest = std::max(bounds.latest, w.query_positions[r]);
-      bounds.oldest = std::min(bounds.oldest, rule_.window_start(w.query_positions[r]));
+      const std::size_t t = item.first_query + r / group_;
+      q_.read(q_.q + q_.offset(q_.q_strides, item.batch, head_of(item, r), t), w.queries.data() + r * dim_, dim_,
+              scale_);
+      to_split_order(w.queries.data() + r * dim_);
+      bounds.latest = std::max(bounds.latest, q_.position(item.batch, t));
+      bounds.oldest = std::min(bounds.oldest, rule_.window_start(q_.position(item.batch, t)));
     }
     std::fill_n(w.max.begin(), rows, -std::numeric_limits<Acc>::infinity());
     std::fill_n(w.sum.begin(), rows, Acc{0});
     std::fill_n(w.acc.begin(), rows * dim_, Acc{0});
-    TileKeys<Unit> tile{w.keys.data(), w.values.data(), w.positions.data(),
-                        Codec::row_scales ? w.key_scales.data() : nullptr,
-                        Codec::row_scales ? w.value_scales.data() : nullptr};
-    KeyCursor<T> cursor(segments_, item.batch, item.kv_head, item.key_begin, item.key_end - item.key_begin);
-    while (cursor.next(tile, tile_, bounds)) {
-      if (tile.count != 0) run_tile(rows, tile, w);
-    }
-    if (!item.slots.empty()) {
-      for (std::size_t m = 0; m < item.member_count(); ++m) {
-        const std::size_t from = m * per_member;
-        Acc* p = partials + item.slots[m] * partial_size();
-        std::copy_n(w.max.begin() + static_cast<std::ptrdiff_t>(from), per_member, p);
-        std::copy_n(w.sum.begin() + static_cast<std::ptrdiff_t>(from), per_member, p + rows_);
-        std::copy_n(w.acc.begin() + static_cast<std::ptrdiff_t>(from * dim_), per_member * dim_, p + 2 * rows_);
-      }
+    KeyCursor<T> cursor(segments_, starts_.data(), q_.shape.batch, item.batch, item.kv_head, item.key_begin,
+                        item.key_end - item.key_begin);
+    Run keys;
+    while (cursor.next(keys, run_keys_, bounds)) run_keys(item, rows, keys, cursor, w);
+    if (partials != nullptr) {
+      Acc* p = partials + item.partial * partial_size();
+      std::copy_n(w.max.begin(), rows, p);
+      std::copy_n(w.sum.begin(), rows, p + rows_);
+      std::copy_n(w.acc.begin(), rows * dim_, p + 2 * rows_);
       return;
     }
     for (std::size_t r = 0; r < rows; ++r) write_row(item, r, w.acc.data() + r * dim_, w.sum[r]);
   }
 
-  /// Combines the running states in `splits` slots from item.partial on, of one batch row's block
-  /// over parts of its keys (log-sum-exp), and writes out.
+  /// Combines the running states of `splits` items over the same rows (log-sum-exp) and writes out.
   void merge(const AttentionItem& item, const Acc* partials, std::size_t splits, std::vector<Acc>& row) const {
     row.resize(dim_);
     for (std::size_t r = 0; r < item.queries * group_; ++r) {
@@ -257,74 +258,130 @@ class AttentionKernel {
 
  private:
   static constexpr std::size_t kTargetRows = 16;  // query rows a block shares K and V among
-  static constexpr std::size_t kMaxTileKeys = 2048;
-  static constexpr std::size_t kAccumulators = kRegisters / 2;    // registers a V pass sums in
-  static constexpr std::size_t kL1Bytes = std::size_t{16} << 10;  // stored rows a run of keys takes
+  static constexpr std::size_t kMaxRunKeys = 256;
+  static constexpr std::size_t kAccumulators = kRegisters / 2;  // registers a V pass sums in
 
-  /// Scores a row keeps: a tile's, and room for the last group of keys to be written whole.
-  [[nodiscard]] std::size_t scores_stride() const noexcept { return tile_ + W; }
+  /// Scores a row keeps: a run's, and room for the last group of keys to be written whole.
+  [[nodiscard]] std::size_t scores_stride() const noexcept { return run_keys_ + W; }
 
   /// Row r of a block is query first_query + r / G of query head kv_head * G + r % G.
   [[nodiscard]] std::size_t head_of(const AttentionItem& item, std::size_t r) const noexcept {
     return item.kv_head * group_ + r % group_;
   }
 
-  void write_row(const AttentionItem& item, std::size_t r, const Acc* acc, Acc sum) const noexcept {
+  /// Puts a row's whole groups of S W values into load_split's order (register s, lane l: value
+  /// S l + s), and back.
+  void to_split_order(Acc* row) const noexcept {
+    if constexpr (S > 1) {
+      Acc group[S * W];
+      for (std::size_t g = 0; g < split_dim_; g += S * W) {
+        std::copy_n(row + g, S * W, group);
+        for (std::size_t l = 0; l < W; ++l) {
+          for (std::size_t s = 0; s < S; ++s) row[g + s * W + l] = group[S * l + s];
+        }
+      }
+    }
+  }
+  void to_value_order(Acc* row) const noexcept {
+    if constexpr (S > 1) {
+      Acc group[S * W];
+      for (std::size_t g = 0; g < split_dim_; g += S * W) {
+        std::copy_n(row + g, S * W, group);
+        for (std::size_t l = 0; l < W; ++l) {
+          for (std::size_t s = 0; s < S; ++s) row[g + S * l + s] = group[s * W + l];
+        }
+      }
+    }
+  }
+
+  /// Writes a row's sums (in split order, put back here) over its softmax's sum.
+  void write_row(const AttentionItem& item, std::size_t r, Acc* acc, Acc sum) const noexcept {
+    to_value_order(acc);
     const std::size_t t = item.first_query + r / group_;
     q_.write(q_.out + q_.offset(q_.out_strides, item.batch, head_of(item, r), t), acc, dim_,
              sum > 0 ? kUpperHalf / sum : Acc{0});  // no visible key: zeros
   }
 
-  void run_tile(std::size_t rows, const TileKeys<Unit>& tile, Workspace& w) const noexcept {
-    const std::size_t n = tile.count;
-    // Keys in runs that stay in L1, every group of rows and every pass over a run before the
-    // next: only the first reads a row from memory, and it reads the whole row.
-    const std::size_t run = std::max(W, kL1Bytes / row_bytes(dim_) / W * W);
-    for (std::size_t j0 = 0; j0 < n; j0 += run) {
-      const std::size_t j1 = std::min(n, j0 + run);
-      std::size_t r = 0;
-      if constexpr (W % 4 == 0) {
-        for (; r + 4 <= rows; r += 4) score<4>(w, r, tile, j0, j1);
-      }
-      if constexpr (W % 2 == 0) {
-        for (; r + 2 <= rows; r += 2) score<2>(w, r, tile, j0, j1);
-      }
-      for (; r < rows; ++r) score<1>(w, r, tile, j0, j1);
+  /// One run of keys, read from memory once: scores of every row, mask, softmax, weighted sum
+  /// of V. The rows after it are asked for while it is scored, so both streams stay in flight.
+  void run_keys(const AttentionItem& item, std::size_t rows, const Run& keys, const KeyCursor<T>& cursor,
+                Workspace& w) const noexcept {
+    const std::size_t n = keys.count;
+    const Run next = prefetch_keys_ == 0 ? Run{} : cursor.upcoming(prefetch_keys_);
+    std::size_t r = 0;
+    if constexpr (W % 4 == 0) {
+      for (; r + 4 <= rows; r += 4) score<4>(w, r, keys, r == 0 ? &next : nullptr);
     }
+    if constexpr (W % 2 == 0) {
+      for (; r + 2 <= rows; r += 2) score<2>(w, r, keys, r == 0 ? &next : nullptr);
+    }
+    for (; r < rows; ++r) score<1>(w, r, keys, r == 0 ? &next : nullptr);
 
     w.active.clear();
-    for (std::size_t r = 0; r < rows; ++r) {
+    for (r = 0; r < rows; ++r) {
       Acc* scores = w.scores.data() + r * scores_stride();
       if constexpr (Codec::row_scales) {
-        for (std::size_t j = 0; j < n; ++j) scores[j] *= tile.key_scales[j] * kUpperHalf;
+        for (std::size_t j = 0; j < n; ++j) scores[j] *= keys.key_scale(j) * kUpperHalf;
       }
-      mask(w.query_positions[r], tile, scores);
+      mask(q_.position(item.batch, item.first_query + r / group_), keys, scores);
       if (!softmax_step(scores, n, w.max[r], w.sum[r], w.acc.data() + r * dim_)) continue;
       if constexpr (Codec::row_scales) {
-        for (std::size_t j = 0; j < n; ++j) scores[j] *= tile.value_scales[j] * kLowerHalf;
+        for (std::size_t j = 0; j < n; ++j) scores[j] *= keys.value_scale(j) * kLowerHalf;
       }
       w.active.push_back(r);
     }
-    for (std::size_t j0 = 0; j0 < n; j0 += run) {
-      const std::size_t j1 = std::min(n, j0 + run);
-      std::size_t i = 0;
-      for (; i + 4 <= w.active.size(); i += 4) accumulate<4>(w, i, tile, j0, j1);
-      for (; i + 2 <= w.active.size(); i += 2) accumulate<2>(w, i, tile, j0, j1);
-      for (; i < w.active.size(); ++i) accumulate<1>(w, i, tile, j0, j1);
+    std::size_t i = 0;
+    for (; i + 4 <= w.active.size(); i += 4) accumulate<4>(w, i, keys);
+    for (; i + 2 <= w.active.size(); i += 2) accumulate<2>(w, i, keys);
+    for (; i < w.active.size(); ++i) accumulate<1>(w, i, keys);
+  }
+
+  /// Asks for the K and V rows `prefetch_keys_` keys past key j of the run: in the run, or in
+  /// `next` (the keys after it, through the cursor, across a segment's end).
+  KVCACHE_ALWAYS_INLINE void prefetch_ahead(const Run& keys, const Run& next, std::size_t j) const noexcept {
+    const std::size_t ahead = j + prefetch_keys_;
+    if (ahead < keys.count) {
+      prefetch_row(keys, ahead);
+    } else if (ahead - keys.count < next.count) {
+      prefetch_row(next, ahead - keys.count);
     }
   }
 
-  /// Sets the scores of the keys `query` may not see to -inf. Over ascending positions, those
-  /// past the query are one fill, and only those before its window's start are checked one by one.
-  void mask(std::int64_t query, const TileKeys<Unit>& tile, Acc* scores) const noexcept {
+  /// Asks for key j's K and V rows of a run, a line at a time. Always inlined: GCC takes a
+  /// function that only prefetches for one without effects and drops its calls.
+  KVCACHE_ALWAYS_INLINE void prefetch_row(const Run& keys, std::size_t j) const noexcept {
+    const auto* k = reinterpret_cast<const char*>(keys.key(j));
+    const auto* v = reinterpret_cast<const char*>(keys.value(j));
+    const std::size_t bytes = Dim != 0 ? row_bytes(Dim) : row_bytes(dim_);
+    for (std::size_t line = 0; line < bytes; line += 64) {
+      prefetch(k + line);
+      prefetch(v + line);
+    }
+  }
+
+  /// Sets the scores of the run's keys that `query` may not see to -inf. Over ascending
+  /// positions, those past the query are one fill, and only those before its window's start are
+  /// checked one by one.
+  void mask(std::int64_t query, const Run& keys, Acc* scores) const noexcept {
     constexpr Acc kNone = -std::numeric_limits<Acc>::infinity();
     const std::int64_t start = rule_.window_start(query);
-    if (tile.highest <= query && tile.lowest >= start) return;  // the whole tile is visible
-    const std::int64_t* p = tile.positions;
-    std::size_t check_end = tile.count;
-    if (tile.ascending) {
-      const std::int64_t* end = std::upper_bound(p, p + tile.count, query);
-      std::fill(scores + (end - p), scores + tile.count, kNone);
+    if (keys.highest <= query && keys.lowest >= start) return;  // the whole run is visible
+    const std::int64_t* p = keys.positions;
+    std::size_t check_end = keys.count;
+    if (keys.consecutive) {
+      // Keys past the query from its index on, those before the window's start below it.
+      const std::int64_t end =
+          std::clamp<std::int64_t>(query - keys.lowest + 1, 0, static_cast<std::int64_t>(keys.count));
+      std::fill(scores + end, scores + keys.count, kNone);
+      check_end = static_cast<std::size_t>(std::clamp<std::int64_t>(start - keys.lowest, 0, end));
+      for (std::size_t j = 0; j < check_end; ++j) {
+        if (!rule_.visible(query, keys.lowest + static_cast<std::int64_t>(j))) scores[j] = kNone;
+      }
+      return;
+    }
+    if (keys.ascending) {
+      const std::int64_t* end = std::upper_bound(p, p + keys.count, query);
+      std::fill(scores + (end - p), scores + keys.count, kNone);
       check_end = static_cast<std::size_t>(std::lower_bound(p, end, start) - p);
     }
     for (std::size_t j = 0; j < check_end; ++j) {
@@ -332,8 +389,8 @@ class AttentionKernel {
     }
   }
 
-  /// Folds a tile's scores into a row's running max, sum and accumulators and turns them into
-  /// weights; false if the row sees none of the tile's keys.
+  /// Folds a run's scores into a row's running max, sum and accumulators and turns them into
+  /// weights; false if the row sees none of the run's keys.
   bool softmax_step(Acc* scores, std::size_t n, Acc& max, Acc& sum, Acc* acc) const noexcept {
     V top = splat<V>(-std::numeric_limits<Acc>::infinity());
     std::size_t j = 0;
@@ -341,14 +398,16 @@ class AttentionKernel {
       const V s = load<V>(scores + j);
       top = top > s ? top : s;
     }
-    Acc tile_max = reduce_max(top);
-    for (; j < n; ++j) tile_max = std::max(tile_max, scores[j]);
-    if (tile_max == -std::numeric_limits<Acc>::infinity()) return false;
-    if (tile_max > max) {
-      const Acc correction = exp_nonpositive(max - tile_max);  // 0 when max was -inf
+    Acc run_max = reduce_max(top);
+    for (; j < n; ++j) run_max = std::max(run_max, scores[j]);
+    if (run_max == -std::numeric_limits<Acc>::infinity()) return false;
+    if (run_max > max) {
+      const Acc correction = exp_nonpositive(max - run_max);  // 0 when max was -inf
       sum *= correction;
-      for (std::size_t d = 0; d < dim_; ++d) acc[d] *= correction;
-      max = tile_max;
+      if (correction != Acc{1}) {
+        for (std::size_t d = 0; d < dim_; ++d) acc[d] *= correction;
+      }
+      max = run_max;
     }
     V total = V{};
     for (j = 0; j + W <= n; j += W) {
@@ -365,19 +424,13 @@ class AttentionKernel {
     return true;
   }
 
-  /// Asks for the rows `prefetch_keys_` ahead of key j, a line at a time.
-  void prefetch_rows(const Unit* const* rows, std::size_t j, std::size_t n) const noexcept {
-    if (prefetch_keys_ == 0 || j + prefetch_keys_ >= n) return;
-    const auto* row = reinterpret_cast<const char*>(rows[j + prefetch_keys_]);
-    for (std::size_t line = 0; line < row_bytes(dim_); line += 64) prefetch(row + line);
-  }
-
-  /// Scores of R query rows from r0 on against every key of the tile: W / R keys at a time, R x
-  /// W / R accumulators summed together by transpose_sum, so each K row read serves R rows.
+  /// Scores of R query rows from r0 on against every key of the run: W / R keys at a time, R x
+  /// W / R accumulators summed together by transpose_sum, so each K row read serves R rows. The
+  /// first group of rows, which reads the run from memory, asks for the rows ahead (`next`).
   template <std::size_t R>
-  void score(Workspace& w, std::size_t r0, const TileKeys<Unit>& tile, std::size_t j0, std::size_t j1) const noexcept {
+  void score(Workspace& w, std::size_t r0, const Run& keys, const Run* next) const noexcept {
     constexpr std::size_t K = W / R;
-    const std::size_t n = tile.count;
+    const std::size_t n = keys.count;
     const std::size_t body = (Dim != 0 ? Dim : dim_) / W * W;
     const Acc* q[R];
     Acc* out[R];
@@ -385,11 +438,11 @@ class AttentionKernel {
       q[r] = w.queries.data() + (r0 + r) * dim_;
       out[r] = w.scores.data() + (r0 + r) * scores_stride();
     }
-    for (std::size_t j = j0; j < j1; j += K) {
+    for (std::size_t j = 0; j < n; j += K) {
       const Unit* rows[K];
-      for (std::size_t k = 0; k < K; ++k) rows[k] = tile.keys[std::min(j + k, n - 1)];
-      if (r0 == 0) {
-        for (std::size_t k = 0; k < K; ++k) prefetch_rows(tile.keys, j + k, n);
+      for (std::size_t k = 0; k < K; ++k) rows[k] = keys.key(std::min(j + k, n - 1));
+      if (next != nullptr && prefetch_keys_ != 0) {
+        for (std::size_t k = 0; k < K; ++k) prefetch_ahead(keys, *next, j + k);
       }
       V acc[W];
       unroll<W>([&](auto i) KVCACHE_ALWAYS_INLINE { acc[i] = V{}; });
@@ -401,12 +454,38 @@ class AttentionKernel {
           unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { acc[r * K + k] += qv[r] * x; });
         });
       };
-      if constexpr (Dim != 0) {
-        // Every load its own instruction, moving by one stride from group to group: a pattern
-        // the hardware prefetcher follows from memory, where a loop over d is not.
+      // A group of S W values of each key at a time, split as load_split gives them.
+      const auto split_step = [&](std::size_t d) KVCACHE_ALWAYS_INLINE {
+        if constexpr (S > 1) {
+          V x[K][S];
+          unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE { Codec::template load_split<B>(rows[k], d, x[k]); });
+          unroll<S>([&](auto s) KVCACHE_ALWAYS_INLINE {
+            unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE {
+              const V qv = in_register(load<V>(q[r] + d + s * W));
+              unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE { acc[r * K + k] += qv * in_register(x[k][s]); });
+            });
+          });
+        }
+      };
+      if constexpr (Dim != 0 && S > 1 && Dim % (S * W) == 0) {
+        unroll<Dim / (S * W)>([&](auto i) KVCACHE_ALWAYS_INLINE { split_step(i * S * W); });
+      } else if constexpr (Dim != 0 && R == 1 && S == 1) {
+        // One query row: its query stays in registers, and each key's row is read whole, in order.
+        V qv[Dim / W];
+        unroll<Dim / W>([&](auto i) KVCACHE_ALWAYS_INLINE { qv[i] = load<V>(q[0] + i * W); });
+        unroll<K>([&](auto k) KVCACHE_ALWAYS_INLINE {
+          unroll<Dim / W>([&](auto i) KVCACHE_ALWAYS_INLINE {
+            acc[k] += qv[i] * in_register(Codec::template load<B>(rows[k], i * W));
+          });
+        });
+      } else if constexpr (Dim != 0 && S == 1) {
         unroll<Dim / W>([&](auto i) KVCACHE_ALWAYS_INLINE { step(i * W); });
       } else {
-        for (std::size_t d = 0; d < body; d += W) step(d);
+        std::size_t d = 0;
+        if constexpr (S > 1) {
+          for (; d < split_dim_; d += S * W) split_step(d);
+        }
+        for (; d < body; d += W) step(d);
       }
       Acc lanes[W];
       store(lanes, transpose_sum(acc));
@@ -415,61 +494,79 @@ class AttentionKernel {
           lanes[i] += q[i / K][d] * static_cast<Acc>(Codec::value(rows[i % K], d)) * kUnload;
         }
       }
-      // Whole groups of K, a fixed-size copy: a row's scores have room for a group past the tile.
+      // Whole groups of K, a fixed-size copy: a row's scores have room for a group past the run.
       for (std::size_t r = 0; r < R; ++r) std::memcpy(out[r] + j, lanes + r * K, K * sizeof(Acc));
     }
   }
 
-  /// acc[r] += sum over the tile of weight[r][j] V[j] for R active rows from i on, in passes of
-  /// C registers of each row's accumulators over the tile's V rows.
+  /// acc[r] += sum over the run of weight[r][j] V[j] for R active rows from i on, in passes of
+  /// C registers of each row's accumulators over the run's V rows.
   template <std::size_t R>
-  void accumulate(Workspace& w, std::size_t i, const TileKeys<Unit>& tile, std::size_t j0,
-                  std::size_t j1) const noexcept {
+  void accumulate(Workspace& w, std::size_t i, const Run& keys) const noexcept {
     Acc* acc[R];
     const Acc* weights[R];
     for (std::size_t r = 0; r < R; ++r) {
       acc[r] = w.acc.data() + w.active[i + r] * dim_;
       weights[r] = w.scores.data() + w.active[i + r] * scores_stride();
     }
-    const std::size_t vectors = dim_ / W;
     std::size_t d = 0;
-    while (vectors - d / W >= kAccumulators / R) {
-      pass<R, kAccumulators / R>(acc, weights, tile, j0, j1, d, i == 0 && d == 0);
-    }
-    chunks<R, kAccumulators / R / 2>(acc, weights, tile, j0, j1, d, vectors);
+    if constexpr (S > 1) cover<R, true>(acc, weights, keys, d, split_dim_ / W);
+    cover<R, false>(acc, weights, keys, d, dim_ / W);
     for (; d < dim_; ++d) {
-      for (std::size_t j = j0; j < j1; ++j) {
-        const auto x = static_cast<Acc>(Codec::value(tile.values[j], d));
+      for (std::size_t j = 0; j < keys.count; ++j) {
+        const auto x = static_cast<Acc>(Codec::value(keys.value(j), d));
         for (std::size_t r = 0; r < R; ++r) acc[r][d] += weights[r][j] * x * kUnload;
       }
     }
   }
 
-  /// The passes of C, C / 2, ..., 1 registers that cover what is left of `vectors` from d on.
-  template <std::size_t R, std::size_t C>
-  void chunks(Acc* const (&acc)[R], const Acc* const (&weights)[R], const TileKeys<Unit>& tile, std::size_t j0,
-              std::size_t j1, std::size_t& d, std::size_t vectors) const noexcept {
-    if constexpr (C >= 1) {
-      if (vectors - d / W >= C) pass<R, C>(acc, weights, tile, j0, j1, d, false);
-      chunks<R, C / 2>(acc, weights, tile, j0, j1, d, vectors);
+  /// Passes over the run's V rows that cover the registers from d / W to `vectors`: as many of
+  /// half the register file as fit, then halves down to one register (S, split).
+  template <std::size_t R, bool Split>
+  void cover(Acc* const (&acc)[R], const Acc* const (&weights)[R], const Run& keys, std::size_t& d,
+             std::size_t vectors) const noexcept {
+    constexpr std::size_t kWidest = kAccumulators / R;
+    while (d / W + kWidest <= vectors) pass<R, kWidest, Split>(acc, weights, keys, d);
+    chunks<R, kWidest / 2, Split>(acc, weights, keys, d, vectors);
+  }
+
+  /// The passes of C, C / 2, ..., 1 registers (S, split) that cover what is left of `vectors`.
+  template <std::size_t R, std::size_t C, bool Split>
+  void chunks(Acc* const (&acc)[R], const Acc* const (&weights)[R], const Run& keys, std::size_t& d,
+              std::size_t vectors) const noexcept {
+    if constexpr (C >= (Split ? S : 1)) {
+      if (d / W + C <= vectors) pass<R, C, Split>(acc, weights, keys, d);
+      chunks<R, C / 2, Split>(acc, weights, keys, d, vectors);
     }
   }
 
-  /// One pass over the tile's V rows for values [d, d + C W) of R rows; advances d.
-  template <std::size_t R, std::size_t C>
-  void pass(Acc* const (&acc)[R], const Acc* const (&weights)[R], const TileKeys<Unit>& tile, std::size_t j0,
-            std::size_t j1, std::size_t& d, bool first) const noexcept {
+  /// One pass over the run's V rows for values [d, d + C W) of R rows, loaded split (in groups
+  /// of S registers) or in order; advances d.
+  template <std::size_t R, std::size_t C, bool Split>
+  KVCACHE_ALWAYS_INLINE void pass(Acc* const (&acc)[R], const Acc* const (&weights)[R], const Run& keys,
+                                  std::size_t& d) const noexcept {
     V sums[R][C];
     unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE {
       unroll<C>([&](auto c) KVCACHE_ALWAYS_INLINE { sums[r][c] = load<V>(acc[r] + d + c * W); });
     });
-    for (std::size_t j = j0; j < j1; ++j) {
-      if (first) prefetch_rows(tile.values, j, tile.count);
-      const Unit* row = tile.values[j];
-      unroll<C>([&](auto c) KVCACHE_ALWAYS_INLINE {
-        const V x = in_register(Codec::template load<B>(row, d + c * W));
-        unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { sums[r][c] += splat<V>(weights[r][j]) * x; });
-      });
+    for (std::size_t j = 0; j < keys.count; ++j) {
+      const Unit* row = keys.value(j);
+      if constexpr (Split) {
+        static_assert(C % S == 0, "a split pass covers whole groups");
+        unroll<C / S>([&](auto g) KVCACHE_ALWAYS_INLINE {
+          V x[S];
+          Codec::template load_split<B>(row, d + g * S * W, x);
+          unroll<S>([&](auto s) KVCACHE_ALWAYS_INLINE {
+            unroll<R>([&](auto r)
+                          KVCACHE_ALWAYS_INLINE { sums[r][g * S + s] += splat<V>(weights[r][j]) * in_register(x[s]); });
+          });
+        });
+      } else {
+        unroll<C>([&](auto c) KVCACHE_ALWAYS_INLINE {
+          const V x = in_register(Codec::template load<B>(row, d + c * W));
+          unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE { sums[r][c] += splat<V>(weights[r][j]) * x; });
+        });
+      }
     }
     unroll<R>([&](auto r) KVCACHE_ALWAYS_INLINE {
       unroll<C>([&](auto c) KVCACHE_ALWAYS_INLINE { store(acc[r] + d + c * W, sums[r][c]); });
@@ -479,45 +576,83 @@ class AttentionKernel {
 
   QueryRows<Acc> q_;
   std::span<const Segment<T>> segments_;
+  std::span<const std::int64_t> starts_;
   VisibilityRule rule_;
   Acc scale_;
   std::size_t dim_;
   std::size_t group_;
+  std::size_t split_dim_;  // values of a row in whole groups of S W, kept in split order
   std::size_t block_queries_;
   std::size_t rows_;
-  std::size_t tile_;
+  bool in_cache_;  // the call's rows are taken to be in cache (AttentionTuning::in_cache_bytes)
+  std::size_t run_keys_;
   std::size_t prefetch_keys_;
 };
 
-/// Runs the kernel over every item of a call (attention_plan.hpp) and merges what several items
-/// computed of one batch row's block.
+/// Threads for a call: as requested, or (0) one per `per_thread` bytes of K and V read, at most
+/// the hardware's.
+inline std::size_t attention_threads(std::size_t requested, std::size_t work_bytes, std::size_t per_thread) noexcept {
+  if (requested != 0) return requested;
+  const std::size_t wanted = work_bytes / std::max<std::size_t>(per_thread, 1);
+  if (wanted <= 1) return 1;
+  return std::min(wanted, hardware_threads());
+}
+
+/// Runs the kernel over every item of a call, split by keys where there are fewer items than
+/// threads, and merges the splits.
 template <class T, std::size_t B, std::size_t Dim>
 void run_attention(const AttentionKernel<T, B, Dim>& kernel, const History<T>& history, std::size_t batch,
                    std::size_t kv_heads, std::size_t queries, std::size_t head_dim, std::size_t requested_threads,
                    const AttentionTuning& tuning) {
-  using Kernel = AttentionKernel<T, B, Dim>;
-  using Acc = typename Kernel::Acc;
-  const AttentionPlan plan = plan_attention(history.segments,
-                                            {.batch = batch,
-                                             .kv_heads = kv_heads,
-                                             .queries = queries,
-                                             .block_queries = kernel.block_queries(),
-                                             .group = kernel.block_rows() / kernel.block_queries(),
-                                             .row_bytes = Kernel::row_bytes(head_dim)},
-                                            requested_threads, tuning.bytes_per_thread);
-  std::vector<Acc> partials(plan.partial_slots * kernel.partial_size());
+  using Acc = typename AttentionKernel<T, B, Dim>::Acc;
+  constexpr std::size_t kMinSplitKeys = 512;
+  std::size_t keys = 0;  // the most any batch row reads
+  std::size_t read = 0;  // keys over every batch row
+  for (std::size_t b = 0; b < batch; ++b) {
+    std::size_t row = 0;
+    for (const Segment<T>& s : history.segments) row += s.tokens(b);
+    keys = std::max(keys, row);
+    read += row;
+  }
+  const std::size_t block = kernel.block_queries();
+  const std::size_t blocks = (queries + block - 1) / block;
+  const std::size_t base_items = batch * kv_heads * blocks;
+  const std::size_t work_bytes = 2 * kv_heads * read * AttentionKernel<T, B, Dim>::row_bytes(head_dim) * blocks;
+  std::size_t threads = attention_threads(requested_threads, work_bytes, tuning.bytes_per_thread);
+  std::size_t splits = 1;
+  if (threads > base_items && keys >= 2 * kMinSplitKeys) {
+    splits = std::min((threads + base_items - 1) / base_items, keys / kMinSplitKeys);
+  }
+  std::vector<AttentionItem> items;
+  items.reserve(base_items * splits);
+  for (std::size_t b = 0; b < batch; ++b) {
+    for (std::size_t h = 0; h < kv_heads; ++h) {
+      for (std::size_t first = 0; first < queries; first += block) {
+        for (std::size_t s = 0; s < splits; ++s) {
+          const std::size_t partial = items.size();
+          items.push_back(
+              {b, h, first, std::min(block, queries - first), keys * s / splits, keys * (s + 1) / splits, partial});
+        }
+      }
+    }
+  }
+  threads = std::min(threads, items.size());
+  std::vector<Acc> partials(splits > 1 ? items.size() * kernel.partial_size() : 0);
+  Acc* partial_data = splits > 1 ? partials.data() : nullptr;
 
   std::atomic<std::size_t> next{0};
-  run_workers(plan.threads, [&](std::size_t) {
-    thread_local typename Kernel::Workspace workspace;
-    kernel.prepare(workspace, plan.max_rows);
-    for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < plan.items.size();
+  run_workers(threads, [&](std::size_t) {
+    thread_local typename AttentionKernel<T, B, Dim>::Workspace workspace;
+    kernel.prepare(workspace);
+    for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
          i = next.fetch_add(1, std::memory_order_relaxed)) {
-      kernel.run(plan.items[i], workspace, partials.data());
+      kernel.run(items[i], workspace, partial_data);
     }
   });
-  std::vector<Acc> row;
-  for (const MergeUnit& m : plan.merges) kernel.merge(m.unit, partials.data(), m.pieces, row);
+  if (splits > 1) {
+    std::vector<Acc> row;
+    for (std::size_t i = 0; i < items.size(); i += splits) kernel.merge(items[i], partial_data, splits, row);
+  }
 }
 
 }  // namespace detail

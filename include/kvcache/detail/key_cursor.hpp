@@ -1,16 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The key cursor: walks one (batch row, kv head)'s keys across a history's segments and gathers
-// them into tiles of row addresses, positions and scales. A tile spans segment boundaries, so a
-// history of many short segments (pages, slots) is read in tiles as long as a contiguous one;
-// the passes over a tile never see a segment. Keys no query of the block may see are left out.
+// The key cursor: walks one (batch row, kv head)'s keys across a history's segments in runs of
+// consecutive keys of one segment, each a base address and a stride for K, V and their scales,
+// so the passes over a run address rows as a contiguous history's, whatever the segments are (a
+// page is a run; a ring's wrap starts a new one). Keys no query of the block may see are left
+// out where positions ascend; elsewhere the mask leaves them out. Where a segment row's
+// positions are consecutive (every cache's are), they are known from the first, found once a
+// call, and no position is read while K and V stream past.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <vector>
 
 #include "kvcache/detail/simd.hpp"
 #include "kvcache/views.hpp"
@@ -31,18 +35,52 @@ struct KeyBounds {
   }
 };
 
-/// A tile's keys, in the order read: where each K and V row is, its position and its scales.
+/// The first position of segment s's row b where its keys' positions are consecutive (p, p + 1,
+/// ...), kScattered where they are not, at s * batch + b.
+inline constexpr std::int64_t kScattered = std::numeric_limits<std::int64_t>::min();
+
+template <class T>
+std::vector<std::int64_t> consecutive_starts(std::span<const Segment<T>> segments, std::size_t batch) {
+  std::vector<std::int64_t> starts(segments.size() * batch, kScattered);
+  for (std::size_t s = 0; s < segments.size(); ++s) {
+    const Segment<T>& seg = segments[s];
+    for (std::size_t b = 0; b < batch; ++b) {
+      const std::int64_t* p = seg.positions.row(seg.stored_row(b)).data();
+      const std::size_t n = seg.tokens(b);
+      if (n == 0) continue;
+      unsigned gaps = 0;  // counted, not short-circuited: the loop vectorizes
+      for (std::size_t i = 1; i < n; ++i) gaps |= static_cast<unsigned>(p[i] - p[i - 1] != 1);
+      if (gaps == 0 && p[0] != kScattered && p[0] <= std::numeric_limits<std::int64_t>::max() - 1 - static_cast<std::int64_t>(n))
+        starts[s * batch + b] = p[0];
+    }
+  }
+  return starts;
+}
+
+/// Consecutive keys of one segment's row: key i's K row at keys + i * key_stride (units), its
+/// V row likewise, its position positions[i], its scales (formats that keep them) at
+/// key_scales[i * key_scale_stride] (a stride of 0: one scale for every key).
 template <class Unit>
-struct TileKeys {
-  const Unit** keys = nullptr;
-  const Unit** values = nullptr;
-  std::int64_t* positions = nullptr;
-  float* key_scales = nullptr;  // null for formats without scales
-  float* value_scales = nullptr;
+struct KeyRun {
+  const Unit* keys = nullptr;
+  const Unit* values = nullptr;
+  std::size_t key_stride = 0;
+  std::size_t value_stride = 0;
+  const std::int64_t* positions = nullptr;
+  const float* key_scales = nullptr;  // null for formats without scales
+  const float* value_scales = nullptr;
+  std::size_t key_scale_stride = 0;
+  std::size_t value_scale_stride = 0;
   std::size_t count = 0;
-  std::int64_t lowest = 0;  // of the positions gathered
+  std::int64_t lowest = 0;  // of the positions
   std::int64_t highest = 0;
-  bool ascending = true;  // positions[i] <= positions[i + 1] throughout
+  bool ascending = true;    // positions[i] <= positions[i + 1] throughout
+  bool consecutive = true;  // positions[i] = lowest + i: the mask needs not read them
+
+  [[nodiscard]] const Unit* key(std::size_t i) const noexcept { return keys + i * key_stride; }
+  [[nodiscard]] const Unit* value(std::size_t i) const noexcept { return values + i * value_stride; }
+  [[nodiscard]] float key_scale(std::size_t i) const noexcept { return key_scales[i * key_scale_stride]; }
+  [[nodiscard]] float value_scale(std::size_t i) const noexcept { return value_scales[i * value_scale_stride]; }
 };
 
 /// Walks keys [first, first + count) of batch row b, kv head h, in the history's order (segment
@@ -52,9 +90,10 @@ class KeyCursor {
  public:
   using Unit = typename Segment<T>::unit;
 
-  KeyCursor(std::span<const Segment<T>> segments, std::size_t b, std::size_t h, std::size_t first,
-            std::size_t count) noexcept
-      : segments_(segments), b_(b), h_(h), left_(count) {
+  /// Over `segments`, their consecutive_starts for `batch` rows.
+  KeyCursor(std::span<const Segment<T>> segments, const std::int64_t* starts, std::size_t batch, std::size_t b,
+            std::size_t h, std::size_t first, std::size_t count) noexcept
+      : segments_(segments), starts_(starts), batch_(batch), b_(b), h_(h), left_(count) {
     while (segment_ < segments_.size() && first >= segments_[segment_].tokens(b_)) {
       first -= segments_[segment_].tokens(b_);
       ++segment_;
@@ -62,96 +101,119 @@ class KeyCursor {
     key_ = first;
   }
 
-  [[nodiscard]] bool done() const noexcept { return left_ == 0 || segment_ >= segments_.size(); }
-
-  /// Gathers the next keys that `bounds` keeps into `tile`, up to `room` of them; returns false
-  /// once no key is left.
-  bool next(TileKeys<Unit>& tile, std::size_t room, const KeyBounds& bounds) noexcept {
-    tile.count = 0;
-    tile.ascending = true;
-    tile.lowest = std::numeric_limits<std::int64_t>::max();
-    tile.highest = std::numeric_limits<std::int64_t>::min();
-    while (tile.count < room && !done()) {
+  /// The next run of up to `room` keys that `bounds` keeps; false once no key is left.
+  bool next(KeyRun<Unit>& run, std::size_t room, const KeyBounds& bounds) noexcept {
+    while (left_ != 0 && segment_ < segments_.size()) {
       const Segment<T>& s = segments_[segment_];
-      const std::size_t n = std::min({s.tokens(b_) - key_, left_, room - tile.count});
-      gather(s, key_, n, tile, bounds);
-      key_ += n;
-      left_ -= n;
-      if (key_ == s.tokens(b_)) {
-        ++segment_;
-        key_ = 0;
+      const std::size_t available = std::min(s.tokens(b_) - key_, left_);
+      if (available == 0) {
+        next_segment();
+        continue;
       }
+      std::size_t used = std::min(available, room);
+      const bool kept = take(s, key_, used, run, bounds);
+      advance(s, used);
+      if (kept) return true;
     }
-    return tile.count != 0 || !done();
+    return false;
+  }
+
+  /// The rows of up to `n` keys that follow the last run returned, in its segment or the next
+  /// one that has keys: where to ask for rows ahead. Bounds are not applied.
+  [[nodiscard]] KeyRun<Unit> upcoming(std::size_t n) const noexcept {
+    std::size_t segment = segment_;
+    std::size_t key = key_;
+    while (segment < segments_.size() && key >= segments_[segment].tokens(b_)) {
+      ++segment;
+      key = 0;
+    }
+    KeyRun<Unit> run;
+    if (segment >= segments_.size() || left_ == 0) return run;
+    const Segment<T>& s = segments_[segment];
+    const std::size_t r = s.stored_row(b_);
+    run.keys = s.keys.row(r, h_, key);
+    run.values = s.values.row(r, h_, key);
+    run.key_stride = s.keys.strides().tokens;
+    run.value_stride = s.values.strides().tokens;
+    run.count = std::min({n, s.tokens(b_) - key, left_});
+    return run;
   }
 
  private:
-  /// n scales `stride` apart (0: one scale for every row) into `to`.
-  static void copy_scales(const float* from, std::size_t stride, std::size_t n, float* __restrict to) noexcept {
-    if (stride == 0) {
-      std::fill_n(to, n, *from);
-    } else {
-      for (std::size_t i = 0; i < n; ++i) to[i] = from[i * stride];
-    }
+  void next_segment() noexcept {
+    ++segment_;
+    key_ = 0;
+  }
+  void advance(const Segment<T>& s, std::size_t n) noexcept {
+    key_ += n;
+    left_ -= n;
+    if (key_ == s.tokens(b_)) next_segment();
   }
 
-  /// Adds the kept keys among [from, from + n) of segment s.
-  void gather(const Segment<T>& s, std::size_t from, std::size_t n, TileKeys<Unit>& tile,
-              const KeyBounds& bounds) const noexcept {
+  /// Makes `run` the keys of [from, from + n) of segment s that bounds keeps; false if none.
+  /// Over ascending positions those are a range: a run ends at a gap between sinks and the
+  /// window, and n becomes the keys used, those after the gap left to the next call. Over
+  /// other positions all n stay, for the mask.
+  bool take(const Segment<T>& s, std::size_t from, std::size_t& n, KeyRun<Unit>& run,
+            const KeyBounds& bounds) const noexcept {
     const std::size_t r = s.stored_row(b_);
     const std::int64_t* p = s.positions.row(r).data() + from;
-    std::int64_t low = p[0];
-    std::int64_t high = p[0];
+    const std::int64_t start = starts_[segment_ * batch_ + b_];
+    const bool consecutive = start != kScattered;
+    std::int64_t low = 0;
+    std::int64_t high = 0;
     unsigned descents = 0;  // counted, not short-circuited: the loop vectorizes
-    for (std::size_t i = 1; i < n; ++i) {
-      low = std::min(low, p[i]);
-      high = std::max(high, p[i]);
-      descents |= static_cast<unsigned>(p[i - 1] > p[i]);
-    }
-    const bool ascending = descents == 0;
-    if (high < bounds.oldest && (low >= bounds.sinks_end || high < 0)) return;  // before every window, no sink
-    if (low > bounds.latest) return;
-    const bool all = bounds.keeps(low) && bounds.keeps(high) && (low >= bounds.oldest || high < bounds.sinks_end);
-    const Unit* k = s.keys.row(r, h_, from);
-    const Unit* v = s.values.row(r, h_, from);
-    const std::size_t ks = s.keys.strides().tokens;
-    const std::size_t vs = s.values.strides().tokens;
-    std::size_t t = tile.count;
-    const auto add = [&](std::size_t i) KVCACHE_ALWAYS_INLINE {
-      tile.keys[t] = k + i * ks;
-      tile.values[t] = v + i * vs;
-      tile.positions[t] = p[i];
-      if (tile.key_scales != nullptr) {
-        tile.key_scales[t] = *s.key_scales.at(r, h_, from + i);
-        tile.value_scales[t] = *s.value_scales.at(r, h_, from + i);
-      }
-      ++t;
-    };
-    if (all) {
-      // A loop per array, each writing one and reading nothing it writes: they vectorize.
-      const Unit** __restrict keys = tile.keys + t;
-      const Unit** __restrict values = tile.values + t;
-      for (std::size_t i = 0; i < n; ++i) keys[i] = k + i * ks;
-      for (std::size_t i = 0; i < n; ++i) values[i] = v + i * vs;
-      std::copy_n(p, n, tile.positions + t);
-      if (tile.key_scales != nullptr) {
-        copy_scales(s.key_scales.at(r, h_, from), s.key_scales.strides.tokens, n, tile.key_scales + t);
-        copy_scales(s.value_scales.at(r, h_, from), s.value_scales.strides.tokens, n, tile.value_scales + t);
-      }
-      t += n;
+    if (consecutive) {
+      low = start + static_cast<std::int64_t>(from);
+      high = low + static_cast<std::int64_t>(n) - 1;
     } else {
-      for (std::size_t i = 0; i < n; ++i) {
-        if (bounds.keeps(p[i])) add(i);
+      low = p[0];
+      high = p[0];
+      for (std::size_t i = 1; i < n; ++i) {
+        low = std::min(low, p[i]);
+        high = std::max(high, p[i]);
+        descents |= static_cast<unsigned>(p[i - 1] > p[i]);
       }
     }
-    if (t == tile.count) return;
-    tile.ascending = tile.ascending && ascending && (tile.count == 0 || tile.positions[tile.count - 1] <= p[0]);
-    tile.lowest = std::min(tile.lowest, low);
-    tile.highest = std::max(tile.highest, high);
-    tile.count = t;
+    if (high < bounds.oldest && (low >= bounds.sinks_end || high < 0)) return false;  // before every window, no sink
+    if (low > bounds.latest) return false;
+    std::size_t first = 0;
+    std::size_t count = n;
+    const bool all = bounds.keeps(low) && bounds.keeps(high) && (low >= bounds.oldest || high < bounds.sinks_end);
+    if (!all && descents == 0) {
+      const auto position = [&](std::size_t i) {
+        return consecutive ? low + static_cast<std::int64_t>(i) : p[i];
+      };
+      while (first < n && !bounds.keeps(position(first))) ++first;
+      if (first == n) return false;
+      count = 1;
+      while (first + count < n && bounds.keeps(position(first + count))) ++count;
+      n = first + count;  // keys past a gap are the next call's
+      high = position(first + count - 1);
+      low = position(first);
+    }
+    run.keys = s.keys.row(r, h_, from + first);
+    run.values = s.values.row(r, h_, from + first);
+    run.key_stride = s.keys.strides().tokens;
+    run.value_stride = s.values.strides().tokens;
+    run.positions = p + first;
+    if constexpr (storage_codec<T>::row_scales) {
+      run.key_scales = s.key_scales.at(r, h_, from + first);
+      run.value_scales = s.value_scales.at(r, h_, from + first);
+      run.key_scale_stride = s.key_scales.strides.tokens;
+      run.value_scale_stride = s.value_scales.strides.tokens;
+    }
+    run.count = count;
+    run.lowest = low;
+    run.highest = high;
+    run.ascending = descents == 0;
+    run.consecutive = consecutive;
+    return true;
   }
 
   std::span<const Segment<T>> segments_;
+  const std::int64_t* starts_;
+  std::size_t batch_;
   std::size_t b_;
   std::size_t h_;
   std::size_t left_;

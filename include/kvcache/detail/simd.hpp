@@ -256,18 +256,33 @@ KVCACHE_ALWAYS_INLINE inline V transpose_sum(const V (&a)[N]) noexcept {
   }
 }
 
-template <class V>
-inline auto reduce_add(const V& v) noexcept {
-  auto s = v[0];
-  for (std::size_t i = 1; i < kLanes<V>; ++i) s += v[i];
-  return s;
+/// Lane i of v moved to lane i - H (lanes past the top come from the bottom): a halving step.
+template <std::size_t H, class V, std::size_t... L>
+KVCACHE_ALWAYS_INLINE inline V rotate_lanes(const V& v, std::index_sequence<L...>) noexcept {
+  return __builtin_shufflevector(v, v, static_cast<int>((L + H) % sizeof...(L))...);
+}
+
+/// Folds every lane of v into lane 0 by op, halving the lanes at each step (log2 W shuffles),
+/// so that the result does not wait on a chain of W scalar operations.
+template <class V, class Op>
+KVCACHE_ALWAYS_INLINE inline auto reduce(V v, const Op& op) noexcept {
+  constexpr std::size_t W = kLanes<V>;
+  if constexpr (W >= 16) v = op(v, rotate_lanes<8>(v, std::make_index_sequence<W>{}));
+  if constexpr (W >= 8) v = op(v, rotate_lanes<4>(v, std::make_index_sequence<W>{}));
+  if constexpr (W >= 4) v = op(v, rotate_lanes<2>(v, std::make_index_sequence<W>{}));
+  if constexpr (W >= 2) v = op(v, rotate_lanes<1>(v, std::make_index_sequence<W>{}));
+  static_assert(W <= 16, "reduce: at most 16 lanes");
+  return v[0];
 }
 
 template <class V>
-inline auto reduce_max(const V& v) noexcept {
-  auto s = v[0];
-  for (std::size_t i = 1; i < kLanes<V>; ++i) s = s > v[i] ? s : v[i];
-  return s;
+KVCACHE_ALWAYS_INLINE inline auto reduce_add(const V& v) noexcept {
+  return reduce(v, [](const V& a, const V& b) KVCACHE_ALWAYS_INLINE { return a + b; });
+}
+
+template <class V>
+KVCACHE_ALWAYS_INLINE inline auto reduce_max(const V& v) noexcept {
+  return reduce(v, [](const V& a, const V& b) KVCACHE_ALWAYS_INLINE { return a > b ? a : b; });
 }
 
 /// Unsigned integers of the size of F (a float, or a register of floats).
