@@ -42,6 +42,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <iterator>
 #include <numeric>
 #include <string>
 #include <type_traits>
@@ -254,6 +256,102 @@ void BM_DecodeAttention(benchmark::State& state) {
       attention > 0 && peak > 0 ? (flops / attention) / (peak_flops / peak) / static_cast<double>(threads) : 0.0;
 }
 
+/// A KvCache of format T holding `tokens` keys of `kv_heads` heads of `dim` values, seeded normal
+/// values written as float in chunks, and the history it returns.
+template <class T>
+struct FormatSetup {
+  kvcache::KvCache<T> cache;
+  kvcache::History<T> history;
+  FormatSetup(std::size_t tokens, std::size_t dim)
+      : cache({.layers = 1, .kv_heads = kKvHeads, .head_dim = dim, .capacity = tokens}) {
+    constexpr std::size_t kChunk = 1024;
+    const std::vector<float> k = kvcache::bench::normal_floats(kKvHeads * kChunk * dim, 1);
+    const std::vector<float> v = kvcache::bench::normal_floats(k.size(), 2);
+    const kvcache::Strides strides{kKvHeads * kChunk * dim, kChunk * dim, dim};
+    for (std::size_t done = 0; done < tokens;) {
+      const std::size_t n = std::min(kChunk, tokens - done);
+      history = cache.update(0, kvcache::TensorView<const float>(k.data(), {1, kKvHeads, n, dim}, strides),
+                             kvcache::TensorView<const float>(v.data(), {1, kKvHeads, n, dim}, strides),
+                             kvcache::next_positions(done, n));
+      done += n;
+    }
+  }
+  /// The stored K and V rows, and their row scales where the format keeps a scale per row, as
+  /// floats (a K buffer, then its V buffer): the bytes a call must read.
+  [[nodiscard]] std::vector<std::pair<const float*, std::size_t>> buffers() const {
+    std::vector<std::pair<const float*, std::size_t>> out;
+    for (const auto& s : history.segments) {
+      const std::size_t count = s.keys.shape().size() * sizeof(typename kvcache::Segment<T>::unit) / sizeof(float);
+      out.emplace_back(reinterpret_cast<const float*>(s.keys.data()), count);
+      out.emplace_back(reinterpret_cast<const float*>(s.values.data()), count);
+      if (!s.key_scales.empty() && s.key_scales.strides.tokens != 0) {
+        out.emplace_back(s.key_scales.data, s.keys.shape().batch * s.keys.heads() * s.tokens());
+        out.emplace_back(s.value_scales.data, s.keys.shape().batch * s.keys.heads() * s.tokens());
+      }
+    }
+    return out;
+  }
+};
+
+/// The limit a decode call cannot beat, and the call against it. Each iteration times, in turn
+/// and each after a read of other memory: the stored bytes read in every ReadForm on the call's
+/// threads, independent multiply-adds on those threads, and the call. The limit is the larger of
+/// the fastest read (median per form) and the call's 2 H_q S D multiply-adds at the measured
+/// rate; `vs_limit` is the limit over the median call (1: at the limit), `limit_is_read` says
+/// which it was, and the `ns_per_key*` counters give call and limits per key of one kv head, as
+/// bench/plot.py draws them. Args: H_q, S, threads, D.
+template <class T>
+void BM_DecodeLimit(benchmark::State& state) {
+  const auto q_heads = static_cast<std::size_t>(state.range(0));
+  const auto tokens = static_cast<std::size_t>(state.range(1));
+  const auto threads = static_cast<std::size_t>(state.range(2));
+  const auto dim = static_cast<std::size_t>(state.range(3));
+  const FormatSetup<T> setup(tokens, dim);
+  const auto buffers = setup.buffers();
+  const std::vector<float> q = kvcache::bench::normal_floats(q_heads * dim, 3);
+  std::vector<float> out(q.size());
+  const auto at = static_cast<std::int64_t>(tokens);
+  const kvcache::Shape shape{1, q_heads, 1, dim};
+  const kvcache::AttentionOptions options{.threads = threads};
+  const auto call = [&] {
+    kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), std::span(&at, 1), setup.history,
+                              kvcache::TensorView<float>(out.data(), shape), options);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  };
+  std::vector<std::vector<double>> reads(std::size(kvcache::bench::kReadForms));
+  std::vector<double> rates, calls;
+  const auto flush = [&] { benchmark::DoNotOptimize(read_all(elsewhere(), threads)); };
+  for (auto _ : state) {
+    for (std::size_t f = 0; f < reads.size(); ++f) {
+      flush();
+      reads[f].push_back(
+          time_call([&] { benchmark::DoNotOptimize(read_all(buffers, threads, kvcache::bench::kReadForms[f])); }));
+    }
+    rates.push_back(kvcache::bench::multiply_add_rate(threads, std::size_t{1} << 14));
+    flush();
+    calls.push_back(time_call(call));
+    state.SetIterationTime(calls.back());
+  }
+  double read = std::numeric_limits<double>::infinity();
+  for (auto& form : reads) read = std::min(read, median(form));
+  const double multiply_adds = 2.0 * static_cast<double>(q_heads * tokens * dim);
+  const double rate = median(rates);
+  const double arithmetic = rate > 0 ? multiply_adds / rate : 0.0;
+  const double limit = std::max(read, arithmetic);
+  const double attention = median(calls);
+  const double keys = static_cast<double>(tokens * kKvHeads);
+  state.counters["vs_limit"] = attention > 0 ? limit / attention : 0.0;
+  state.counters["limit_is_read"] = read >= arithmetic ? 1.0 : 0.0;
+  state.counters["vs_read"] = attention > 0 ? read / attention : 0.0;
+  state.counters["ns_per_key"] = attention * 1e9 / keys;
+  state.counters["ns_per_key_read"] = read * 1e9 / keys;
+  state.counters["ns_per_key_multiply_add"] = arithmetic * 1e9 / keys;
+  double bytes = 0;
+  for (const auto& [data, count] : buffers) bytes += static_cast<double>(count * sizeof(float));
+  state.counters["read_GBps"] = read > 0 ? bytes / read / 1e9 : 0.0;
+}
+
 /// A chunk of T queries at positions P .. P + T - 1 over everything before them and themselves
 /// (causal prefill), or over the last `window` positions and 4 sinks where window > 0. Reports `flops_per_second` (4 D
 /// flops per visible query-key pair and query head: the two products) and `vs_multiply_add_peak`, the median attention
@@ -383,6 +481,26 @@ void register_all() {
       }
     }
   }
+  // The limit of every stored format: H_q 8 to 64 over 8 kv heads (1 to 8 query rows a kv
+  // head), two lengths, one and two threads, D = 128; and the other head sizes at one length.
+  const auto limit_rows = [&](auto* bench, const char* name) {
+    auto* b = benchmark::RegisterBenchmark(name, bench)->ArgNames({"H_q", "S", "threads", "D"});
+    add_decode(b);
+    for (const std::int64_t t : thread_counts) {
+      for (const std::int64_t s : tiny ? std::vector<std::int64_t>{64} : std::vector<std::int64_t>{16384, 32768}) {
+        for (const std::int64_t h : {8, 16, 32, 64}) b->Args({h, s, t, 128});
+      }
+      for (const std::int64_t d : {64, 96, 256}) {
+        for (const std::int64_t h : {8, 32}) b->Args({h, tiny ? 64 : 16384, t, d});
+      }
+    }
+  };
+  limit_rows(BM_DecodeLimit<float>, "DecodeLimit<float>");
+  limit_rows(BM_DecodeLimit<Eigen::bfloat16>, "DecodeLimit<bfloat16>");
+  limit_rows(BM_DecodeLimit<Eigen::half>, "DecodeLimit<half>");
+  limit_rows(BM_DecodeLimit<kvcache::fp8_e4m3>, "DecodeLimit<fp8_e4m3>");
+  limit_rows(BM_DecodeLimit<kvcache::int8_rows>, "DecodeLimit<int8_rows>");
+  limit_rows(BM_DecodeLimit<kvcache::int4_groups>, "DecodeLimit<int4_groups>");
   // Causal prefill, one core: a 512-token chunk from the start and after 2,048 cached tokens, and
   // a 2,048-token one under a window of 128 (and 4 sinks).
   const std::int64_t chunk = tiny ? 32 : 512;

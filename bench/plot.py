@@ -309,6 +309,8 @@ def attention_points(attention):
     """{threads: ({series: [(S, rate)]} for attention, {series: [(S, rate)]} for baselines)}."""
     panels = {}
     for entry in runs(attention, ""):
+        if entry["name"].startswith("DecodeLimit"):
+            continue  # plotted against their limits (plot_decode_limit)
         rate = rate_of(entry)
         if rate is None:
             continue
@@ -366,7 +368,7 @@ def table_attention(attention):
     panels = attention_points(attention)
     ratios = {}  # (threads, series, S) -> "vs_read" or "vs_read / vs_buffer", where the benchmark reports them
     for entry in runs(attention, ""):
-        if isinstance(entry.get("vs_read"), (int, float)):
+        if isinstance(entry.get("vs_read"), (int, float)) and not entry["name"].startswith("DecodeLimit"):
             text = f"{entry['vs_read']:.2f}"
             if isinstance(entry.get("vs_buffer"), (int, float)):
                 text += f" / {entry['vs_buffer']:.2f}"
@@ -428,6 +430,84 @@ def table_threads(threads):
     return "\n".join(lines)
 
 
+# attention_bench's DecodeLimit rows: each decode call against the limit it cannot beat, the larger
+# of reading its stored bytes (the fastest read form) and doing its multiply-adds at the measured
+# rate, for every stored format, H_q over 8 kv heads, S, threads and D.
+
+
+def limit_rows(attention):
+    rows = []
+    for entry in runs(attention, "DecodeLimit<"):
+        if not isinstance(entry.get("vs_limit"), (int, float)):
+            continue
+        fmt_name = re.match(r"DecodeLimit<([^>]+)>", entry["name"]).group(1)
+        rows.append({"format": fmt_name, "H_q": named_arg(entry, "H_q"), "S": named_arg(entry, "S"),
+                     "threads": named_arg(entry, "threads"), "D": named_arg(entry, "D"), "entry": entry})
+    return rows
+
+
+def plot_decode_limit(attention, out):
+    rows = [r for r in limit_rows(attention) if r["D"] == 128]
+    if not rows:
+        return None
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    longest = max(r["S"] for r in rows)
+    cols = min(3, len(formats))
+    fig, axes = plt.subplots((len(formats) + cols - 1) // cols, cols, figsize=(5.2 * cols, 4.2 * ((len(formats) + cols - 1) // cols)),
+                             squeeze=False, sharey=True)
+    for ax, name in zip(axes.flat, formats):
+        for threads, color in ((1, "tab:blue"), (2, "tab:orange")):
+            pts = sorted((r["H_q"] // 8, r["entry"]) for r in rows
+                         if r["format"] == name and r["threads"] == threads and r["S"] == longest)
+            if not pts:
+                continue
+            g = [p[0] for p in pts]
+            ax.plot(g, [p[1]["ns_per_key"] for p in pts], "o-", color=color, label=f"call, {threads} thread(s)")
+            ax.plot(g, [p[1]["ns_per_key_read"] for p in pts], "--", color=color, alpha=0.7,
+                    label=f"read limit, {threads}")
+            ax.plot(g, [p[1]["ns_per_key_multiply_add"] for p in pts], ":", color=color, alpha=0.7,
+                    label=f"multiply-add limit, {threads}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        ax.set_xlabel("query heads per kv head (G)")
+        ax.set_ylabel("ns per key of one kv head")
+        ax.set_title(name)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(formats):]:
+        ax.axis("off")
+    fig.suptitle(f"Decode (T = 1, D = 128, 8 kv heads, S = {longest:,}): time per key against the two limits")
+    fig.tight_layout()
+    path = out / "decode_limit.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table_decode_limit(attention):
+    rows = limit_rows(attention)
+    if not rows:
+        return ""
+    cells = {}
+    for r in rows:
+        e = r["entry"]
+        kind = "read" if e.get("limit_is_read", 1) >= 0.5 else "multiply-add"
+        cells[(r["format"], r["D"], r["S"], r["threads"], r["H_q"])] = f"{e['vs_limit']:.2f} {'R' if kind == 'read' else 'M'}"
+    heads = sorted({r["H_q"] for r in rows})
+    lines = ["| format | D | S | threads | " + " | ".join(f"H_q = {h}" for h in heads) + " |",
+             "|---|---:|---:|---:|" + "---:|" * len(heads)]
+    for key in sorted({(r["format"], r["D"], r["S"], r["threads"]) for r in rows}, key=lambda k: (k[0], k[1], k[2], k[3])):
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]:,} | {key[3]} | " +
+                     " | ".join(cells.get(key + (h,), "–") for h in heads) + " |")
+    lines.append("")
+    lines.append("`vs_limit` of each decode call (8 kv heads): the limit's time over the median call's, 1.00 at the "
+                 "limit. R: the limit is reading the stored bytes (the fastest of a plain read, a read asking for lines "
+                 "ahead and K and V read together, medians); M: the call's 2 H_q S D multiply-adds at the rate "
+                 "independent multiply-add chains reach on the same threads.")
+    return "\n".join(lines)
+
+
 def table_prefill(attention):
     """Causal prefill rows of attention_bench: flop rate and the ratio to the multiply-add peak."""
     if attention is None:
@@ -453,12 +533,13 @@ def main():
     attention = load(directory, "attention_bench")
     threads = load(directory, "threads_bench")
     plots = [plot_cache_vs_concat(cache, directory), plot_ring(cache, directory), plot_model(model, directory),
-             plot_attention(attention, directory)]
+             plot_attention(attention, directory), plot_decode_limit(attention, directory)]
     sections = [
         ("Cache against concat", table_cache_vs_concat(cache)),
         ("Update against memcpy, flatness, ring", table_micro(cache)),
         ("End to end", table_model(model)),
         ("Attention bandwidth", table_attention(attention)),
+        ("Decode against its limit", table_decode_limit(attention)),
         ("Causal prefill", table_prefill(attention)),
         ("Automatic threads", table_threads(threads)),
     ]

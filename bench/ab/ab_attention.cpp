@@ -250,7 +250,7 @@ void register_all() {
     b->Iterations(smoke ? 2 : 15);
     for (const long threads : {1L, 2L}) {
       for (const long tokens : lengths) {
-        for (const long q_heads : {8L, 16L, 32L}) b->Args({q_heads, tokens, threads});
+        for (const long q_heads : {8L, 16L, 32L, 64L}) b->Args({q_heads, tokens, threads});
       }
     }
   };
