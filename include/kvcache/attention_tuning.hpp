@@ -20,8 +20,9 @@ struct AttentionTuning {
   /// How far ahead (in bytes of K or V rows) the rows after a run's are asked for while it is
   /// scored, when the call reads from memory; 0 leaves it to the hardware prefetcher.
   std::size_t prefetch_bytes = 1024;
-  /// A call over fewer stored K and V bytes than this is taken to read from cache: it runs
-  /// cached_run_keys at a time (a run's fixed costs spread wider) and asks for nothing ahead.
+  /// A batch row whose stored K and V (every kv head) are fewer bytes than this is taken to be
+  /// read from cache: cached_run_keys at a time (a run's fixed costs spread wider), nothing
+  /// asked for ahead.
   std::size_t in_cache_bytes = std::size_t{8} << 20;
   /// Keys a run takes (at most 256) when the call reads from cache.
   std::size_t cached_run_keys = 256;

@@ -175,15 +175,17 @@ class AttentionKernel {
         split_dim_(S > 1 ? q.shape.head_dim / (S * W) * (S * W) : 0),
         block_queries_(std::clamp<std::size_t>(kTargetRows / group_, 1, std::max<std::size_t>(q.shape.tokens, 1))),
         rows_(group_ * block_queries_),
-        in_cache_(stored_bytes(history, dim_) < tuning.in_cache_bytes),
-        run_keys_(std::clamp<std::size_t>(in_cache_ ? tuning.cached_run_keys : tuning.run_keys, 1, kMaxRunKeys)),
-        prefetch_keys_(in_cache_ ? 0 : tuning.prefetch_bytes / row_bytes(dim_)) {}
+        in_cache_bytes_(tuning.in_cache_bytes),
+        run_keys_(std::clamp<std::size_t>(tuning.run_keys, 1, kMaxRunKeys)),
+        cached_run_keys_(std::clamp<std::size_t>(tuning.cached_run_keys, 1, kMaxRunKeys)),
+        prefetch_keys_(tuning.prefetch_bytes / row_bytes(dim_)) {}
 
-  /// K and V bytes of the rows the history's segments hold (a bound on what a call reads).
-  [[nodiscard]] static std::size_t stored_bytes(const History<T>& history, std::size_t dim) noexcept {
-    std::size_t rows = 0;
-    for (const Segment<T>& s : history.segments) rows += s.keys.shape().batch * s.keys.heads() * s.keys.tokens();
-    return 2 * rows * row_bytes(dim);
+  /// Whether batch row b's stored K and V (every kv head) are taken to be in cache. Found per
+  /// row, so that how a row's keys are read never depends on the other rows of the call.
+  [[nodiscard]] bool row_in_cache(std::size_t b) const noexcept {
+    std::size_t keys = 0;
+    for (const Segment<T>& s : segments_) keys += s.tokens(b);
+    return 2 * keys * segments_.front().keys.heads() * row_bytes(dim_) < in_cache_bytes_;
   }
 
   /// Bytes of one stored K (or V) row at head size `dim`.
@@ -226,8 +228,11 @@ class AttentionKernel {
     std::fill_n(w.acc.begin(), rows * dim_, Acc{0});
     KeyCursor<T> cursor(segments_, starts_.data(), q_.shape.batch, item.batch, item.kv_head, item.key_begin,
                         item.key_end - item.key_begin);
+    const bool in_cache = row_in_cache(item.batch);
+    const std::size_t run_length = in_cache ? cached_run_keys_ : run_keys_;
+    const std::size_t ahead = in_cache ? 0 : prefetch_keys_;
     Run keys;
-    while (cursor.next(keys, run_keys_, bounds)) run_keys(item, rows, keys, cursor, w);
+    while (cursor.next(keys, run_length, bounds)) run_keys(item, rows, keys, cursor, ahead, w);
     if (partials != nullptr) {
       Acc* p = partials + item.partial * partial_size();
       std::copy_n(w.max.begin(), rows, p);
@@ -262,7 +267,7 @@ class AttentionKernel {
   static constexpr std::size_t kAccumulators = kRegisters / 2;  // registers a V pass sums in
 
   /// Scores a row keeps: a run's, and room for the last group of keys to be written whole.
-  [[nodiscard]] std::size_t scores_stride() const noexcept { return run_keys_ + W; }
+  [[nodiscard]] std::size_t scores_stride() const noexcept { return std::max(run_keys_, cached_run_keys_) + W; }
 
   /// Row r of a block is query first_query + r / G of query head kv_head * G + r % G.
   [[nodiscard]] std::size_t head_of(const AttentionItem& item, std::size_t r) const noexcept {
@@ -303,19 +308,21 @@ class AttentionKernel {
   }
 
   /// One run of keys, read from memory once: scores of every row, mask, softmax, weighted sum
-  /// of V. The rows after it are asked for while it is scored, so both streams stay in flight.
+  /// of V. The rows `ahead` keys on (0: none) are asked for while it is scored, so both streams
+  /// stay in flight.
   void run_keys(const AttentionItem& item, std::size_t rows, const Run& keys, const KeyCursor<T>& cursor,
-                Workspace& w) const noexcept {
+                std::size_t ahead, Workspace& w) const noexcept {
     const std::size_t n = keys.count;
-    const Run next = prefetch_keys_ == 0 ? Run{} : cursor.upcoming(prefetch_keys_);
+    const Run next = ahead == 0 ? Run{} : cursor.upcoming(ahead);
+    const Run* fetch = ahead == 0 ? nullptr : &next;
     std::size_t r = 0;
     if constexpr (W % 4 == 0) {
-      for (; r + 4 <= rows; r += 4) score<4>(w, r, keys, r == 0 ? &next : nullptr);
+      for (; r + 4 <= rows; r += 4) score<4>(w, r, keys, r == 0 ? fetch : nullptr);
     }
     if constexpr (W % 2 == 0) {
-      for (; r + 2 <= rows; r += 2) score<2>(w, r, keys, r == 0 ? &next : nullptr);
+      for (; r + 2 <= rows; r += 2) score<2>(w, r, keys, r == 0 ? fetch : nullptr);
     }
-    for (; r < rows; ++r) score<1>(w, r, keys, r == 0 ? &next : nullptr);
+    for (; r < rows; ++r) score<1>(w, r, keys, r == 0 ? fetch : nullptr);
 
     w.active.clear();
     for (r = 0; r < rows; ++r) {
@@ -584,8 +591,9 @@ class AttentionKernel {
   std::size_t split_dim_;  // values of a row in whole groups of S W, kept in split order
   std::size_t block_queries_;
   std::size_t rows_;
-  bool in_cache_;  // the call's rows are taken to be in cache (AttentionTuning::in_cache_bytes)
+  std::size_t in_cache_bytes_;
   std::size_t run_keys_;
+  std::size_t cached_run_keys_;
   std::size_t prefetch_keys_;
 };
 
