@@ -22,7 +22,7 @@ struct AttentionTuning {
   std::size_t prefetch_bytes = 1024;
   /// A batch row whose stored K and V (every kv head) are fewer bytes than this is taken to be
   /// read from cache: cached_run_keys at a time (a run's fixed costs spread wider), nothing
-  /// asked for ahead.
+  /// asked for ahead. Blocks of several queries (prefill) always read so.
   std::size_t in_cache_bytes = std::size_t{8} << 20;
   /// Keys a run takes (at most 256) when the call reads from cache.
   std::size_t cached_run_keys = 256;

@@ -228,7 +228,9 @@ class AttentionKernel {
     std::fill_n(w.acc.begin(), rows * dim_, Acc{0});
     KeyCursor<T> cursor(segments_, starts_.data(), q_.shape.batch, item.batch, item.kv_head, item.key_begin,
                         item.key_end - item.key_begin);
-    const bool in_cache = row_in_cache(item.batch);
+    // Several queries a block: arithmetic a key, not the read, is what limits it, and the next
+    // block reads the same keys again; such items read as from cache too.
+    const bool in_cache = item.queries > 1 || row_in_cache(item.batch);
     const std::size_t run_length = in_cache ? cached_run_keys_ : run_keys_;
     const std::size_t ahead = in_cache ? 0 : prefetch_keys_;
     Run keys;
