@@ -215,7 +215,7 @@ TEST(BatchAttention, OneCallOverRowsSharingBlocksEqualsACallPerRow) {
     SCOPED_TRACE("threads " + std::to_string(threads));
     check_batch<float>(batch, 2, 4, 1, 0, 0, threads, 2e-5);
   }
-  check_batch<Eigen::bfloat16>(batch, 2, 2, 1, 0, 0, 2, 2e-5);
+  check_batch<kvcache::bfloat16>(batch, 2, 2, 1, 0, 0, 2, 2e-5);
   check_batch<double>(batch, 1, 1, 1, 0, 0, 2, 2e-5);
 }
 

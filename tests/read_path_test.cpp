@@ -71,7 +71,7 @@ TEST(StorageCodec, ATestOnlyFormatWithRowScalesReadsAsPlainFloat) {
   KvCache<kvcache_test::Pow2Rows> scaled({.layers = 1, .batch = 2, .kv_heads = 2, .head_dim = dim, .capacity = keys});
   RingKvCache<kvcache_test::Pow2Rows> ring({.layers = 1, .batch = 2, .kv_heads = 2, .head_dim = dim, .window = 300});
   // Runs of 16 keys, which the ring's segments end on as the contiguous rows do: the same bits.
-  const AttentionOptions options{.window = 300, .tuning = {.in_cache_bytes = 0}};
+  const AttentionOptions options{.window = 300, .tuning = {.in_cache_bytes = 0, .cached_run_keys = 16}};
   const auto want = attend(plain.update(0, k.view(), v.view(), arange(0, keys)), q, positions, options);
   const auto got = attend(scaled.update(0, k.view(), v.view(), arange(0, keys)), q, positions, options);
   for (std::size_t done = 0; done < keys - 5; done += 100) {

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The kernel behind causal_attention. A work item is one (batch row, kv head, block of queries)
-// and, when there are fewer items than threads, a range of its keys. Its rows are the G = H_q /
-// H_kv query heads that share the kv head times the block's queries, so every K and V row read
-// from memory serves all of them. The key cursor hands out runs of consecutive keys of one
+// The kernel behind causal_attention. A work item is one (batch row, kv head, block of queries),
+// or several batch rows that read the same keys, over a range of keys (attention_plan.hpp forms
+// them). Its rows are the G = H_q / H_kv query heads that share the kv head times the block's
+// queries, of every batch row it serves, so every K and V row read from memory serves all of
+// them. The key cursor hands out runs of consecutive keys of one
 // segment; each run is scored, masked, folded into an online max-subtracted softmax and summed
 // into the rows' accumulators before the next, so K and V are read as two interleaved streams.
 // Rows are read only through the format's storage codec, and memory is bounded by a run.
@@ -20,6 +21,7 @@
 
 #include "kvcache/attention_tuning.hpp"
 #include "kvcache/codec.hpp"
+#include "kvcache/detail/attention_plan.hpp"
 #include "kvcache/detail/key_cursor.hpp"
 #include "kvcache/detail/simd.hpp"
 #include "kvcache/detail/worker_pool.hpp"
@@ -119,18 +121,6 @@ constexpr Acc power_of_two(int e) noexcept {
   return x;
 }
 
-/// One work item: queries [first_query, first_query + queries) of kv head `kv_head` in batch
-/// row `batch`, over keys [key_begin, key_end) of that row's history.
-struct AttentionItem {
-  std::size_t batch = 0;
-  std::size_t kv_head = 0;
-  std::size_t first_query = 0;
-  std::size_t queries = 0;
-  std::size_t key_begin = 0;
-  std::size_t key_end = 0;
-  std::size_t partial = 0;  // where a split item leaves its running state
-};
-
 /// The kernel for storage format T in registers of B bytes; the head size must be a multiple
 /// of the register's lanes or take the scalar tail. Dim, where not 0, is the head size known at
 /// compile time.
@@ -160,6 +150,7 @@ class AttentionKernel {
   struct Workspace {
     std::vector<Acc> queries, acc, max, sum, scores;
     std::vector<std::size_t> active;
+    std::vector<std::int64_t> query_positions;  // of each row of the item
   };
 
   /// `starts`: the history's consecutive_starts for q's batch rows.
@@ -195,57 +186,69 @@ class AttentionKernel {
   [[nodiscard]] std::size_t block_queries() const noexcept { return block_queries_; }
   /// Acc values a split item's running state takes: max, sum and acc of every row.
   [[nodiscard]] std::size_t partial_size() const noexcept { return rows_ * (dim_ + 2); }
+  /// Query rows of one batch row's block: an item scores this many per batch row it serves.
+  [[nodiscard]] std::size_t block_rows() const noexcept { return rows_; }
 
   /// Sizes a worker's scratch for this call; kept by the thread between calls, so a call
   /// allocates only when it needs more than the thread's last one did.
-  void prepare(Workspace& w) const {
+  void prepare(Workspace& w, std::size_t max_rows) const {
     const auto fit = [](auto& v, std::size_t n) {
       if (v.size() < n) v.resize(n);
     };
-    fit(w.queries, rows_ * dim_);
-    fit(w.acc, rows_ * dim_);
-    fit(w.max, rows_);
-    fit(w.sum, rows_);
-    fit(w.scores, rows_ * scores_stride());
-    w.active.reserve(rows_);
+    const std::size_t rows = std::max(rows_, max_rows);
+    fit(w.queries, rows * dim_);
+    fit(w.acc, rows * dim_);
+    fit(w.max, rows);
+    fit(w.sum, rows);
+    fit(w.query_positions, rows);
+    fit(w.scores, rows * scores_stride());
+    w.active.reserve(rows);
   }
 
-  /// Runs one item; writes out, or its running state to `partials` for a split item.
+  /// Runs one item; writes out, or each member's running state to its slot of `partials`.
   void run(const AttentionItem& item, Workspace& w, Acc* partials) const noexcept {
-    const std::size_t rows = item.queries * group_;
+    // Row r serves member r / per_member, as row r % per_member of that member's block.
+    const std::size_t per_member = item.queries * group_;
+    const std::size_t rows = per_member * item.member_count();
     KeyBounds bounds{std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max(),
                      rule_.sinks_end()};
     for (std::size_t r = 0; r < rows; ++r) {
-      const std::size_t t = item.first_query + r / group_;
-      q_.read(q_.q + q_.offset(q_.q_strides, item.batch, head_of(item, r), t), w.queries.data() + r * dim_, dim_,
-              scale_);
+      const std::size_t b = item.member(r / per_member);
+      const std::size_t t = item.first_query + r % per_member / group_;
+      q_.read(q_.q + q_.offset(q_.q_strides, b, head_of(item, r), t), w.queries.data() + r * dim_, dim_, scale_);
       to_split_order(w.queries.data() + r * dim_);
-      bounds.latest = std::max(bounds.latest, q_.position(item.batch, t));
-      bounds.oldest = std::min(bounds.oldest, rule_.window_start(q_.position(item.batch, t)));
+      w.query_positions[r] = q_.position(b, t);
+      bounds.latest = std::max(bounds.latest, w.query_positions[r]);
+      bounds.oldest = std::min(bounds.oldest, rule_.window_start(w.query_positions[r]));
     }
     std::fill_n(w.max.begin(), rows, -std::numeric_limits<Acc>::infinity());
     std::fill_n(w.sum.begin(), rows, Acc{0});
     std::fill_n(w.acc.begin(), rows * dim_, Acc{0});
     KeyCursor<T> cursor(segments_, starts_.data(), q_.shape.batch, item.batch, item.kv_head, item.key_begin,
                         item.key_end - item.key_begin);
-    // Several queries a block: arithmetic a key, not the read, is what limits it, and the next
-    // block reads the same keys again; such items read as from cache too.
-    const bool in_cache = item.queries > 1 || row_in_cache(item.batch);
+    // Several queries a kv head (a prefill block, or batch rows sharing these keys): arithmetic a
+    // key, not the read, is what limits it, and a prefill's next block reads the same keys again;
+    // such items read as from cache too.
+    const bool in_cache = item.queries * item.member_count() > 1 || row_in_cache(item.batch);
     const std::size_t run_length = in_cache ? cached_run_keys_ : run_keys_;
     const std::size_t ahead = in_cache ? 0 : prefetch_keys_;
     Run keys;
-    while (cursor.next(keys, run_length, bounds)) run_keys(item, rows, keys, cursor, ahead, w);
-    if (partials != nullptr) {
-      Acc* p = partials + item.partial * partial_size();
-      std::copy_n(w.max.begin(), rows, p);
-      std::copy_n(w.sum.begin(), rows, p + rows_);
-      std::copy_n(w.acc.begin(), rows * dim_, p + 2 * rows_);
+    while (cursor.next(keys, run_length, bounds)) run_keys(rows, keys, cursor, ahead, w);
+    if (!item.slots.empty()) {
+      for (std::size_t m = 0; m < item.member_count(); ++m) {
+        const std::size_t from = m * per_member;
+        Acc* p = partials + item.slots[m] * partial_size();
+        std::copy_n(w.max.begin() + static_cast<std::ptrdiff_t>(from), per_member, p);
+        std::copy_n(w.sum.begin() + static_cast<std::ptrdiff_t>(from), per_member, p + rows_);
+        std::copy_n(w.acc.begin() + static_cast<std::ptrdiff_t>(from * dim_), per_member * dim_, p + 2 * rows_);
+      }
       return;
     }
     for (std::size_t r = 0; r < rows; ++r) write_row(item, r, w.acc.data() + r * dim_, w.sum[r]);
   }
 
-  /// Combines the running states of `splits` items over the same rows (log-sum-exp) and writes out.
+  /// Combines the running states in `splits` slots from item.partial on, of one batch row's block
+  /// over parts of its keys (log-sum-exp), and writes out.
   void merge(const AttentionItem& item, const Acc* partials, std::size_t splits, std::vector<Acc>& row) const {
     row.resize(dim_);
     for (std::size_t r = 0; r < item.queries * group_; ++r) {
@@ -312,8 +315,8 @@ class AttentionKernel {
   /// One run of keys, read from memory once: scores of every row, mask, softmax, weighted sum
   /// of V. The rows `ahead` keys on (0: none) are asked for while it is scored, so both streams
   /// stay in flight.
-  void run_keys(const AttentionItem& item, std::size_t rows, const Run& keys, const KeyCursor<T>& cursor,
-                std::size_t ahead, Workspace& w) const noexcept {
+  void run_keys(std::size_t rows, const Run& keys, const KeyCursor<T>& cursor, std::size_t ahead,
+                Workspace& w) const noexcept {
     const std::size_t n = keys.count;
     const Run next = ahead == 0 ? Run{} : cursor.upcoming(ahead);
     const Run* fetch = ahead == 0 ? nullptr : &next;
@@ -332,7 +335,7 @@ class AttentionKernel {
       if constexpr (Codec::row_scales) {
         for (std::size_t j = 0; j < n; ++j) scores[j] *= keys.key_scale(j) * kUpperHalf;
       }
-      mask(q_.position(item.batch, item.first_query + r / group_), keys, scores);
+      mask(w.query_positions[r], keys, scores);
       if (!softmax_step(scores, n, w.max[r], w.sum[r], w.acc.data() + r * dim_)) continue;
       if constexpr (Codec::row_scales) {
         for (std::size_t j = 0; j < n; ++j) scores[j] *= keys.value_scale(j) * kLowerHalf;
@@ -599,70 +602,35 @@ class AttentionKernel {
   std::size_t prefetch_keys_;
 };
 
-/// Threads for a call: as requested, or (0) one per `per_thread` bytes of K and V read, at most
-/// the hardware's.
-inline std::size_t attention_threads(std::size_t requested, std::size_t work_bytes, std::size_t per_thread) noexcept {
-  if (requested != 0) return requested;
-  const std::size_t wanted = work_bytes / std::max<std::size_t>(per_thread, 1);
-  if (wanted <= 1) return 1;
-  return std::min(wanted, hardware_threads());
-}
-
-/// Runs the kernel over every item of a call, split by keys where there are fewer items than
-/// threads, and merges the splits.
+/// Runs the kernel over every item of a call (attention_plan.hpp) and merges what several items
+/// computed of one batch row's block.
 template <class T, std::size_t B, std::size_t Dim>
 void run_attention(const AttentionKernel<T, B, Dim>& kernel, const History<T>& history, std::size_t batch,
                    std::size_t kv_heads, std::size_t queries, std::size_t head_dim, std::size_t requested_threads,
                    const AttentionTuning& tuning) {
-  using Acc = typename AttentionKernel<T, B, Dim>::Acc;
-  constexpr std::size_t kMinSplitKeys = 512;
-  std::size_t keys = 0;  // the most any batch row reads
-  std::size_t read = 0;  // keys over every batch row
-  for (std::size_t b = 0; b < batch; ++b) {
-    std::size_t row = 0;
-    for (const Segment<T>& s : history.segments) row += s.tokens(b);
-    keys = std::max(keys, row);
-    read += row;
-  }
-  const std::size_t block = kernel.block_queries();
-  const std::size_t blocks = (queries + block - 1) / block;
-  const std::size_t base_items = batch * kv_heads * blocks;
-  const std::size_t work_bytes = 2 * kv_heads * read * AttentionKernel<T, B, Dim>::row_bytes(head_dim) * blocks;
-  std::size_t threads = attention_threads(requested_threads, work_bytes, tuning.bytes_per_thread);
-  std::size_t splits = 1;
-  if (threads > base_items && keys >= 2 * kMinSplitKeys) {
-    splits = std::min((threads + base_items - 1) / base_items, keys / kMinSplitKeys);
-  }
-  std::vector<AttentionItem> items;
-  items.reserve(base_items * splits);
-  for (std::size_t b = 0; b < batch; ++b) {
-    for (std::size_t h = 0; h < kv_heads; ++h) {
-      for (std::size_t first = 0; first < queries; first += block) {
-        for (std::size_t s = 0; s < splits; ++s) {
-          const std::size_t partial = items.size();
-          items.push_back(
-              {b, h, first, std::min(block, queries - first), keys * s / splits, keys * (s + 1) / splits, partial});
-        }
-      }
-    }
-  }
-  threads = std::min(threads, items.size());
-  std::vector<Acc> partials(splits > 1 ? items.size() * kernel.partial_size() : 0);
-  Acc* partial_data = splits > 1 ? partials.data() : nullptr;
+  using Kernel = AttentionKernel<T, B, Dim>;
+  using Acc = typename Kernel::Acc;
+  const AttentionPlan plan = plan_attention(history.segments,
+                                            {.batch = batch,
+                                             .kv_heads = kv_heads,
+                                             .queries = queries,
+                                             .block_queries = kernel.block_queries(),
+                                             .group = kernel.block_rows() / kernel.block_queries(),
+                                             .row_bytes = Kernel::row_bytes(head_dim)},
+                                            requested_threads, tuning.bytes_per_thread);
+  std::vector<Acc> partials(plan.partial_slots * kernel.partial_size());
 
   std::atomic<std::size_t> next{0};
-  run_workers(threads, [&](std::size_t) {
-    thread_local typename AttentionKernel<T, B, Dim>::Workspace workspace;
-    kernel.prepare(workspace);
-    for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
+  run_workers(plan.threads, [&](std::size_t) {
+    thread_local typename Kernel::Workspace workspace;
+    kernel.prepare(workspace, plan.max_rows);
+    for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < plan.items.size();
          i = next.fetch_add(1, std::memory_order_relaxed)) {
-      kernel.run(items[i], workspace, partial_data);
+      kernel.run(plan.items[i], workspace, partials.data());
     }
   });
-  if (splits > 1) {
-    std::vector<Acc> row;
-    for (std::size_t i = 0; i < items.size(); i += splits) kernel.merge(items[i], partial_data, splits, row);
-  }
+  std::vector<Acc> row;
+  for (const MergeUnit& m : plan.merges) kernel.merge(m.unit, partials.data(), m.pieces, row);
 }
 
 }  // namespace detail
