@@ -19,6 +19,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvcache/calibration.hpp"
@@ -273,9 +274,11 @@ TYPED_TEST(RequestIsolation, EverySequenceOfAPoolGetsItsLogitsAloneBitForBit) {
       } else {
         // Its prefix's rows are request 0's, computed from the same tokens in other chunks (7
         // tokens, then 1) than its own alone (10): equal within float rounding, not bit for bit,
-        // since how many keys a query's tile holds past it moves the kernel's order of summing
-        // at some vector widths. What the check shows is that the rows are the prefix's tokens'.
-        EXPECT_LE((logits[i] - want.bottomRows(want.rows() - from)).cwiseAbs().maxCoeff(), 1e-5F)
+        // since a chunk's length moves the kernel's order of summing; a value that moved by float
+        // rounding may then round the other way into a 16-bit or quantized row. What the check
+        // shows is that the rows are the prefix's tokens' (another prompt's differ by far more).
+        const float tolerance = std::is_floating_point_v<TypeParam> ? 1e-5F : 1e-3F;
+        EXPECT_LE((logits[i] - want.bottomRows(want.rows() - from)).cwiseAbs().maxCoeff(), tolerance)
             << "order " << o << ", request " << i;
       }
     }
