@@ -385,7 +385,8 @@ class AttentionKernel {
       const std::int64_t end =
           std::clamp<std::int64_t>(query - keys.lowest + 1, 0, static_cast<std::int64_t>(keys.count));
       std::fill(scores + end, scores + keys.count, kNone);
-      check_end = static_cast<std::size_t>(std::clamp<std::int64_t>(start - keys.lowest, 0, end));
+      // start may be the lowest int64 (no window): compared, never subtracted from.
+      check_end = start <= keys.lowest ? 0 : static_cast<std::size_t>(std::min<std::int64_t>(start - keys.lowest, end));
       for (std::size_t j = 0; j < check_end; ++j) {
         if (!rule_.visible(query, keys.lowest + static_cast<std::int64_t>(j))) scores[j] = kNone;
       }
