@@ -782,19 +782,19 @@ class DenseHarness {
         Shape shape = c.shape;
         switch (in.byte() % 5) {
           case 0:
-            ++shape.heads;
+            shape.heads = shape.heads + 1;
             break;
           case 1:
-            ++shape.head_dim;
+            shape.head_dim = shape.head_dim + 1;
             break;
           case 2:
             shape.head_dim = shape.head_dim > 1 ? shape.head_dim - 1 : 2;
             break;
           case 3:
-            ++shape.batch;
+            shape.batch = shape.batch + 1;
             break;
           default:
-            ++shape.tokens;  // v only: v's shape differs from k's
+            shape.tokens = shape.tokens + 1;  // v only: v's shape differs from k's
         }
         other = format_.chunk(shape.batch, shape.tokens, 1.0F, rng);
         other.shape.heads = shape.heads;
@@ -1291,7 +1291,7 @@ class SlotHarness {
       if (kind == 7) format_.poison(c, in);
     }
     if (kind == 8) {
-      c.shape.head_dim += 1;
+      c.shape.head_dim = c.shape.head_dim + 1;
       c.k.resize(c.shape.size());
       c.v.resize(c.shape.size());
       if (c.shape.size() == 0) {  // nothing to see a head size in: an out-of-range layer instead
@@ -1903,7 +1903,7 @@ class PagedHarness {
       case 2:  // a second batch row, or another head count
         other = format_.chunk(in.one_in(2) ? 2 : 1, tokens, 1.0F, rng);
         if (other.shape.batch == 1) {
-          other.shape.heads += 1;
+          other.shape.heads = other.shape.heads + 1;
           other.k.resize(other.shape.size());
           other.v.resize(other.shape.size());
         }

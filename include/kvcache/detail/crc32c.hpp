@@ -11,13 +11,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kvcache/version.hpp"
+
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <nmmintrin.h>
 #define KVCACHE_CRC32C_X86 1
 #elif defined(__ARM_FEATURE_CRC32)
 #include <arm_acle.h>
-
-#include "kvcache/version.hpp"
 #define KVCACHE_CRC32C_ARM 1
 #endif
 
