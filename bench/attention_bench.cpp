@@ -42,8 +42,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <iterator>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <type_traits>

@@ -50,7 +50,8 @@ std::vector<std::int64_t> consecutive_starts(std::span<const Segment<T>> segment
       if (n == 0) continue;
       unsigned gaps = 0;  // counted, not short-circuited: the loop vectorizes
       for (std::size_t i = 1; i < n; ++i) gaps |= static_cast<unsigned>(p[i] - p[i - 1] != 1);
-      if (gaps == 0 && p[0] != kScattered && p[0] <= std::numeric_limits<std::int64_t>::max() - 1 - static_cast<std::int64_t>(n))
+      if (gaps == 0 && p[0] != kScattered &&
+          p[0] <= std::numeric_limits<std::int64_t>::max() - 1 - static_cast<std::int64_t>(n))
         starts[s * batch + b] = p[0];
     }
   }
@@ -181,9 +182,7 @@ class KeyCursor {
     std::size_t count = n;
     const bool all = bounds.keeps(low) && bounds.keeps(high) && (low >= bounds.oldest || high < bounds.sinks_end);
     if (!all && descents == 0) {
-      const auto position = [&](std::size_t i) {
-        return consecutive ? low + static_cast<std::int64_t>(i) : p[i];
-      };
+      const auto position = [&](std::size_t i) { return consecutive ? low + static_cast<std::int64_t>(i) : p[i]; };
       while (first < n && !bounds.keeps(position(first))) ++first;
       if (first == n) return false;
       count = 1;
