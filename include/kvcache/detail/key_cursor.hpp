@@ -48,8 +48,9 @@ std::vector<std::int64_t> consecutive_starts(std::span<const Segment<T>> segment
       const std::int64_t* p = seg.positions.row(seg.stored_row(b)).data();
       const std::size_t n = seg.tokens(b);
       if (n == 0) continue;
-      unsigned gaps = 0;  // counted, not short-circuited: the loop vectorizes
-      for (std::size_t i = 1; i < n; ++i) gaps |= static_cast<unsigned>(p[i] - p[i - 1] != 1);
+      unsigned gaps = 0;                   // counted, not short-circuited: the loop vectorizes
+      for (std::size_t i = 1; i < n; ++i)  // unsigned: any two positions subtract without overflow
+        gaps |= static_cast<unsigned>(static_cast<std::uint64_t>(p[i]) - static_cast<std::uint64_t>(p[i - 1]) != 1);
       if (gaps == 0 && p[0] != kScattered &&
           p[0] <= std::numeric_limits<std::int64_t>::max() - 1 - static_cast<std::int64_t>(n))
         starts[s * batch + b] = p[0];
