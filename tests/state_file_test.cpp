@@ -1392,6 +1392,37 @@ TEST(StateFileAcross, AFileOfFp8E4M3WithHeadScalesLoadsAsFp8E4M3Heads) {
   EXPECT_EQ(rows.length(), 0U);
 }
 
+TEST(StateFileCrafted, AScalesGivenFlagOtherThanTheFormatsIsRefusedAndTheCacheUnchanged) {
+  // Found by fuzz/state_fuzz: BASE said head scales were given for a format without them; the
+  // load took the file, and saving it again wrote another byte.
+  const Block<float> k({1, 2, 3, 8}, 1), v({1, 2, 3, 8}, 2);
+  KvCache<float> plain({.layers = 2, .kv_heads = 2, .head_dim = 8, .capacity = 8});
+  plain.update(0, k.view(), v.view(), arange(0, 3));
+  const Snapshot plain_before = snapshot(plain);
+  const auto expect_refused = [](const auto& load, const std::string& message) {
+    try {
+      load();
+      ADD_FAILURE() << "loaded a file whose BASE says " << message;
+    } catch (const std::runtime_error& e) {
+      EXPECT_THAT(e.what(), HasSubstr(message));
+    }
+  };
+  const std::string plain_file = as_written_before(saved(plain), 2, "float", true);
+  expect_refused([&] { load_from(plain, plain_file); },
+                 "section BASE: scales given: expected 0 (for format float), found 1");
+  EXPECT_EQ(snapshot(plain), plain_before);
+
+  const std::vector<float> scales(2 * 2, 1.0F / 448);
+  KvCache<fp8_e4m3_heads> heads(
+      {.layers = 2, .kv_heads = 2, .head_dim = 8, .capacity = 8, .key_scales = scales, .value_scales = scales});
+  heads.update(1, k.view(), v.view(), arange(0, 3));
+  const Snapshot heads_before = snapshot(heads);
+  const std::string file = as_written_before(saved(heads), 2, "fp8_e4m3_heads", false);
+  expect_refused([&] { load_from(heads, file); },
+                 "section BASE: scales given: expected 1 (for format fp8_e4m3_heads), found 0");
+  EXPECT_EQ(snapshot(heads), heads_before);
+}
+
 TEST(StateFileAcross, ASaveThatCannotWriteThrowsAndLeavesNoFile) {
   const KvCache<float> cache({.layers = 1, .kv_heads = 1, .head_dim = 4, .capacity = 4});
   const auto path = std::filesystem::temp_directory_path() / "kvcache_no_such_directory" / "state";

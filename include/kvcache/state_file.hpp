@@ -589,6 +589,7 @@ struct StateHead {
   std::size_t units = 0;     // units a stored row of head_dim values takes
   bool row_scales = false;   // a scale kept per stored row
   bool head_scales = false;  // a scale kept per (layer, kv head)
+  bool legacy_fp8 = false;   // written while fp8_e4m3 kept head scales (read as fp8_e4m3_heads)
   KvCacheConfig config;
 };
 
@@ -620,7 +621,10 @@ inline StateHead read_head(StateReader& in) {
   p.finish();
   // Files written while fp8_e4m3 kept a scale per (layer, kv head) hold fp8_e4m3_heads' rows under
   // that name (fp8_e4m3 now keeps a scale per row): they load into a cache of fp8_e4m3_heads.
-  if (h.format == "fp8_e4m3" && h.head_scales && !h.row_scales) h.format = "fp8_e4m3_heads";
+  if (h.format == "fp8_e4m3" && h.head_scales && !h.row_scales) {
+    h.format = "fp8_e4m3_heads";
+    h.legacy_fp8 = true;
+  }
   return h;
 }
 
@@ -645,7 +649,11 @@ inline StateBase read_base(StateReader& in, const StateHead& head) {
   for (std::size_t& n : base.lengths) n = p.u64("length");
   base.clipped.resize(layers);
   for (std::size_t& n : base.clipped) n = p.u64("clipped");
+  // A cache says so exactly when its format keeps head scales (a file of the legacy fp8 name may
+  // not: its scales were set by the first update); anything else would not be written back as read.
   base.scales_given = p.u8("scales given");
+  p.require(head.legacy_fp8 || base.scales_given == (heads != 0), "scales given",
+            std::string(heads != 0 ? "1" : "0") + " (for format " + head.format + ")", base.scales_given ? "1" : "0");
   base.key_scales = p.f32s("key scales", scales);
   base.value_scales = p.f32s("value scales", scales);
   p.finish();
@@ -725,6 +733,7 @@ struct StateAccess {
             storage_codec<T>::units(base.head_dim()),
             storage_codec<T>::row_scales && !has_head_scales<T>,
             has_head_scales<T>,
+            false,
             cache.state_config()};
   }
 
