@@ -50,17 +50,19 @@ typedef enum kvcache_status {
 } kvcache_status;
 
 /* The storage formats, one X(NAME, name) a format (name as kvcache_format_name gives it):
- * KVCACHE_FORMAT_FLOAT, _DOUBLE, _HALF, _BFLOAT16, _FP8_E4M3, _INT8_ROWS, _INT4_GROUPS, in the
- * order of kvcache::storage_formats (include/kvcache/formats.hpp), which the library checks. A
- * new format is one line at the end. */
-#define KVCACHE_FORMATS(X) \
-  X(FLOAT, float)          \
-  X(DOUBLE, double)        \
-  X(HALF, half)            \
-  X(BFLOAT16, bfloat16)    \
-  X(FP8_E4M3, fp8_e4m3)    \
-  X(INT8_ROWS, int8_rows)  \
-  X(INT4_GROUPS, int4_groups)
+ * KVCACHE_FORMAT_FLOAT, _DOUBLE, _HALF, _BFLOAT16, _FP8_E4M3, _INT8_ROWS, _INT4_GROUPS,
+ * _FP8_E4M3_HEADS, _INT4_ROTATED, in the order of kvcache::storage_formats
+ * (include/kvcache/formats.hpp), which the library checks. A new format is one line at the end. */
+#define KVCACHE_FORMATS(X)          \
+  X(FLOAT, float)                   \
+  X(DOUBLE, double)                 \
+  X(HALF, half)                     \
+  X(BFLOAT16, bfloat16)             \
+  X(FP8_E4M3, fp8_e4m3)             \
+  X(INT8_ROWS, int8_rows)           \
+  X(INT4_GROUPS, int4_groups)       \
+  X(FP8_E4M3_HEADS, fp8_e4m3_heads) \
+  X(INT4_ROTATED, int4_rotated)
 
 #define KVCACHE_DETAIL_FORMAT_ENUM(NAME, name) KVCACHE_FORMAT_##NAME,
 typedef enum kvcache_format { KVCACHE_FORMATS(KVCACHE_DETAIL_FORMAT_ENUM) KVCACHE_FORMAT_COUNT } kvcache_format;
@@ -83,9 +85,9 @@ typedef enum kvcache_dtype { KVCACHE_DTYPE_F32 = 0, KVCACHE_DTYPE_BF16 = 1, KVCA
 
 /* How a cache is sized (kvcache::KvCacheConfig). capacity: the most tokens a sequence (a slot)
  * may reach, required but for a ring (0: unbounded). window, sinks, slack: a ring's. batch: 0
- * is 1. key_scales, value_scales: for a format with static scales per (layer, kv head),
- * layers x kv_heads each, layer-major, copied; NULL for every format here (fp8_e4m3 and
- * int8_rows scale each row themselves). */
+ * is 1. key_scales, value_scales: for a format with static scales per (layer, kv head)
+ * (fp8_e4m3_heads; kvcache_head_scale says which and gives them), layers x kv_heads each,
+ * layer-major, copied; NULL for every other format (they scale each row or group themselves). */
 typedef struct kvcache_config {
   size_t layers, batch, kv_heads, head_dim, capacity, window, sinks, slack;
   const float* key_scales;
@@ -177,6 +179,11 @@ KVCACHE_C_API kvcache_status kvcache_format_from_name(const char* name, kvcache_
 /* Bytes one token takes in `format`, K and V over every layer and kv head (row scales included);
  * 0 for a value that is no format. */
 KVCACHE_C_API size_t kvcache_bytes_per_token(kvcache_format format, size_t layers, size_t kv_heads, size_t head_dim);
+/* The head scale that stores values up to |largest| in `format` without clipping, for a format
+ * whose config takes key_scales and value_scales (calibrate: each (layer, kv head)'s largest |K|
+ * or |V| over a run, times a margin such as 1.25); 0 for every other format and for a value that
+ * is no format. */
+KVCACHE_C_API float kvcache_head_scale(kvcache_format format, float largest);
 
 /* ---- caches */
 

@@ -122,7 +122,16 @@ TEST(CApi, FormatsFollowTheLibrarysList) {
     EXPECT_C_OK(kvcache_format_from_name(format_name<T>(), &back));
     EXPECT_EQ(back, format);
     EXPECT_EQ(kvcache_bytes_per_token(format, 28, 8, 128), (kv_bytes_per_token<T>(28, 8, 128)));
+    if constexpr (detail::has_head_scales<T>) {
+      // Stores values up to |largest| without clipping, as calibrate_head_scales' scales do.
+      EXPECT_EQ(kvcache_head_scale(format, 3.5F), storage_codec<T>::scale_for(3.5F)) << format_name<T>();
+      EXPECT_EQ(kvcache_head_scale(format, -3.5F), storage_codec<T>::scale_for(3.5F)) << format_name<T>();
+      EXPECT_GT(kvcache_head_scale(format, 3.5F), 0.0F);
+    } else {
+      EXPECT_EQ(kvcache_head_scale(format, 3.5F), 0.0F) << format_name<T>();
+    }
   });
+  EXPECT_EQ(kvcache_head_scale(KVCACHE_FORMAT_COUNT, 3.5F), 0.0F);
   EXPECT_EQ(kvcache_format_name(KVCACHE_FORMAT_COUNT), nullptr);
   EXPECT_EQ(kvcache_bytes_per_token(KVCACHE_FORMAT_COUNT, 28, 8, 128), 0U);
   EXPECT_EQ(kvcache_layers(nullptr), 0U);

@@ -237,10 +237,15 @@ class Progress {
 /// A cache (or a paged sequence and its pool) made through the C API, freed with it.
 class Cache {
  public:
-  Cache(kvcache_variant variant, kvcache_format format, const Model& m, std::size_t tokens, std::size_t window) {
+  Cache(kvcache_variant variant, kvcache_format format, const Model& m, std::size_t tokens, std::size_t window,
+        float largest) {
+    // A format with static head scales gets the scales that hold every value the run writes.
+    if (const float scale = kvcache_head_scale(format, largest); scale > 0.0F) {
+      scales_.assign(m.layers * m.kv_heads, scale);
+    }
+    const float* scales = scales_.empty() ? nullptr : scales_.data();
     if (variant == KVCACHE_VARIANT_PAGED) {
-      const kvcache_pool_config config{m.layers, m.kv_heads, m.head_dim, 16, (tokens + 15) / 16 + 1,
-                                       0,        nullptr,    nullptr};
+      const kvcache_pool_config config{m.layers, m.kv_heads, m.head_dim, 16, (tokens + 15) / 16 + 1, 0, scales, scales};
       check(kvcache_pool_create(format, &config, &pool_), "kvcache_pool_create");
       check(kvcache_pool_sequence(pool_, &cache_), "kvcache_pool_sequence");
       return;
@@ -250,6 +255,7 @@ class Cache {
     config.kv_heads = m.kv_heads;
     config.head_dim = m.head_dim;
     config.capacity = tokens;
+    config.key_scales = config.value_scales = scales;
     if (variant == KVCACHE_VARIANT_RING) config.window = window == 0 ? tokens : window;
     check(kvcache_create(variant, format, &config, &cache_), "kvcache_create");
     if (variant == KVCACHE_VARIANT_SLOT) check(kvcache_acquire(cache_, &row_), "kvcache_acquire");
@@ -277,6 +283,7 @@ class Cache {
   [[nodiscard]] std::size_t bytes() const { return kvcache_bytes(cache_); }
 
  private:
+  std::vector<float> scales_;
   kvcache_pool* pool_ = nullptr;
   kvcache_cache* cache_ = nullptr;
   std::size_t row_ = 0;
@@ -291,6 +298,7 @@ class Run {
     kv_ = kvcache::bench::normal_floats(chunk * m.kv_heads * m.head_dim, 1);
     q_ = kvcache::bench::normal_floats(m.q_heads * m.head_dim, 2);
     out_.resize(q_.size());
+    for (const float x : kv_) largest_ = std::max(largest_, std::fabs(x) * 1.25F);
   }
 
   /// Seconds per token of `steps` decode steps after `context` tokens: update, attention, and a
@@ -298,7 +306,7 @@ class Run {
   Result measure(kvcache_format format, kvcache_variant variant, std::size_t context, std::size_t steps,
                  const std::string& label) {
     const Model& m = o_.model;
-    Cache cache(variant, format, m, context + steps, o_.window);
+    Cache cache(variant, format, m, context + steps, o_.window, largest_);
     fill(cache, variant, context, label);
     Result r{format, variant, context};
     r.bytes_per_token = kvcache_bytes_per_token(format, m.layers, m.kv_heads, m.head_dim);
@@ -370,6 +378,7 @@ class Run {
   const Options& o_;
   Progress& progress_;
   std::vector<float> kv_, q_, out_, buffer_;
+  float largest_ = 0.0F;     // |K| and |V| the run writes, with a margin
   volatile float sink_ = 0;  // keeps the reads
 };
 
@@ -387,12 +396,12 @@ void print_table(const Options& o, const std::vector<Result>& results) {
   std::printf("kvcache-bench: %zu layers, %zu query heads, %zu kv heads x %zu; %zu decode steps, %zu thread%s%s\n",
               m.layers, m.q_heads, m.kv_heads, m.head_dim, o.decode, o.threads, o.threads == 1 ? "" : "s",
               o.threads == 0 ? " (automatic)" : "");
-  std::printf("%-12s %-14s %8s %14s %17s %7s %10s %11s %10s\n", "format", "variant", "context", "update us/tok",
+  std::printf("%-14s %-14s %8s %14s %17s %7s %10s %11s %10s\n", "format", "variant", "context", "update us/tok",
               "attention us/tok", "vs read", "bytes/tok", "bytes", "vs concat");
   for (const Result& r : results) {
     char vs_concat[32] = "";
     if (r.concat > 0) std::snprintf(vs_concat, sizeof vs_concat, "%.1fx", r.concat / (r.update + r.attention));
-    std::printf("%-12s %-14s %8zu %14.2f %17.2f %7.2f %10zu %11s %10s\n", kvcache_format_name(r.format),
+    std::printf("%-14s %-14s %8zu %14.2f %17.2f %7.2f %10zu %11s %10s\n", kvcache_format_name(r.format),
                 kvcache_variant_name(r.variant), r.context, r.update * 1e6, r.attention * 1e6,
                 r.attention > 0 ? r.read / r.attention : 0.0, r.bytes_per_token,
                 bytes_text(static_cast<double>(r.bytes)).c_str(), vs_concat);

@@ -26,9 +26,9 @@ struct type_list {
   using at = std::tuple_element_t<I, std::tuple<Ts...>>;
 };
 
-/// kvcache's storage formats that the C API serves, in the order of kvcache.h's KVCACHE_FORMATS
-/// (fp8_e4m3_heads and int4_rotated are not among them yet).
-using storage_formats = type_list<float, double, half, bfloat16, fp8_e4m3, int8_rows, int4_groups>;
+/// Every storage format kvcache defines, in the order of kvcache.h's KVCACHE_FORMATS.
+using storage_formats =
+    type_list<float, double, half, bfloat16, fp8_e4m3, int8_rows, int4_groups, fp8_e4m3_heads, int4_rotated>;
 
 /// Calls f.template operator()<T>() for every format T of storage_formats, in order.
 template <class F>

@@ -2,6 +2,7 @@
 // kvcache.h's functions: each checks its pointers, calls the handle inside guarded(), which
 // turns any exception into a status and this thread's last error, and never lets one through.
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -165,6 +166,20 @@ size_t kvcache_bytes_per_token(kvcache_format format, size_t layers, size_t kv_h
     });
   });
   return bytes;
+}
+
+float kvcache_head_scale(kvcache_format format, float largest) {
+  float scale = 0.0F;
+  (void)guarded([&] {
+    scale = kvcache::c_api::with_format("kvcache_head_scale", kvcache::c_api::as_int(format), [&]<class T>() {
+      if constexpr (kvcache::detail::has_head_scales<T>) {
+        return kvcache::storage_codec<T>::scale_for(std::fabs(largest));
+      } else {
+        return 0.0F;
+      }
+    });
+  });
+  return scale;
 }
 
 kvcache_status kvcache_create(kvcache_variant variant, kvcache_format format, const kvcache_config* config,
