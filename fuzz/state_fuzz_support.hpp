@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <set>
 #include <span>
 #include <sstream>
 #include <string>
@@ -294,21 +295,23 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
     const auto* bytes = static_cast<const unsigned char*>(p);
     row.insert(row.end(), bytes, bytes + n);
   };
+  std::set<std::pair<std::size_t, std::int64_t>> seen;  // (batch row, position)
   for (const Segment<T>& s : history.segments) {
     require(s.keys.shape() == s.values.shape() && s.keys.tokens() == s.positions.size(), "a segment's shapes");
-    for (std::size_t j = 0; j < s.tokens(); ++j) {
-      Row row;
-      for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {
-        for (std::size_t b = 0; b < s.batch(); ++b) {
-          if (j >= s.tokens(b)) continue;
-          const std::size_t stored = s.stored_row(b);
+    for (std::size_t b = 0; b < s.batch(); ++b) {
+      const std::size_t stored = s.stored_row(b);
+      const std::span<const std::int64_t> positions = s.positions.row(stored);  // a slot's own, with a window
+      for (std::size_t j = 0; j < s.tokens(b); ++j) {
+        if (positions[j] == -1) continue;  // a windowed slot's row that holds no position
+        require(seen.emplace(b, positions[j]).second, "a history returns a position twice");
+        Row& row = rows[positions[j]];
+        for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {
           for (std::size_t h = 0; h < view->heads(); ++h) {
             append(row, view->row(stored, h, j), view->head_dim() * sizeof(Unit));
             if constexpr (storage_codec<T>::row_scales) append(row, scales->at(stored, h, j), sizeof(float));
           }
         }
       }
-      require(rows.emplace(s.positions[j], std::move(row)).second, "a history returns a position twice");
     }
   }
   return rows;
