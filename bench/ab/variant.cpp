@@ -18,13 +18,19 @@
 #include "variant.hpp"
 
 // The quantized formats a revision may or may not have: declared here, complete only where its
-// headers define them.
+// headers define them (inside the versioned inline namespace of a revision that has one).
 namespace kvcache {
+#if defined(KVCACHE_ABI)
+inline namespace KVCACHE_ABI {
+#endif
 struct fp8_e4m3;
 struct fp8_e4m3_heads;
 struct int8_rows;
 struct int4_groups;
 struct int4_rotated;
+#if defined(KVCACHE_ABI)
+}  // namespace KVCACHE_ABI
+#endif
 }  // namespace kvcache
 
 namespace {
