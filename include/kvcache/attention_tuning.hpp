@@ -15,7 +15,9 @@ inline namespace KVCACHE_ABI {
 ///   kvcache::causal_attention(q, positions, history, out, {.tuning = {.prefetch_bytes = 0}});
 struct AttentionTuning {
   /// Keys a run takes (at most 256) when the call reads from memory: each run is scored and
-  /// summed before the next, so K and V are read as two streams that advance together.
+  /// summed before the next, so K and V are read as two streams that advance together. Formats
+  /// under 16 bits a value, which arithmetic rather than the read limits, take 2 to 8 times as
+  /// many as their items have query rows.
   std::size_t run_keys = 16;
   /// How far ahead (in bytes of K or V rows) the rows after a run's are asked for while it is
   /// scored, when the call reads from memory; 0 leaves it to the hardware prefetcher.

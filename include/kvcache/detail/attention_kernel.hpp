@@ -230,7 +230,7 @@ class AttentionKernel {
     // key, not the read, is what limits it, and a prefill's next block reads the same keys again;
     // such items read as from cache too.
     const bool in_cache = item.queries * item.member_count() > 1 || row_in_cache(item.batch);
-    const std::size_t run_length = in_cache ? cached_run_keys_ : run_keys_;
+    const std::size_t run_length = in_cache ? cached_run_keys_ : memory_run_keys(rows);
     const std::size_t ahead = in_cache ? 0 : prefetch_keys_;
     Run keys;
     while (cursor.next(keys, run_length, bounds)) run_keys(rows, keys, cursor, ahead, w);
@@ -272,7 +272,20 @@ class AttentionKernel {
   static constexpr std::size_t kAccumulators = kRegisters / 2;  // registers a V pass sums in
 
   /// Scores a row keeps: a run's, and room for the last group of keys to be written whole.
-  [[nodiscard]] std::size_t scores_stride() const noexcept { return std::max(run_keys_, cached_run_keys_) + W; }
+  [[nodiscard]] std::size_t scores_stride() const noexcept {
+    return std::max(memory_run_keys(kMaxRunKeys), cached_run_keys_) + W;
+  }
+  /// Rows under 16 bits a value take more arithmetic to decode than their read costs, so from
+  /// memory arithmetic limits them: their runs grow with the rows, spreading a run's fixed costs.
+  static constexpr bool kDecoded = Codec::units(256) * sizeof(Unit) < 256 * 2;
+  /// Keys a run from memory takes for an item of `rows` query rows.
+  [[nodiscard]] std::size_t memory_run_keys(std::size_t rows) const noexcept {
+    if constexpr (kDecoded) {
+      return std::min(kMaxRunKeys, run_keys_ * std::clamp<std::size_t>(2 * rows, 2, 8));
+    } else {
+      return run_keys_;
+    }
+  }
 
   /// Row r of a block is query first_query + r / G of query head kv_head * G + r % G.
   [[nodiscard]] std::size_t head_of(const AttentionItem& item, std::size_t r) const noexcept {
