@@ -226,10 +226,10 @@ class AttentionKernel {
     std::fill_n(w.acc.begin(), rows * dim_, Acc{0});
     KeyCursor<T> cursor(segments_, starts_.data(), q_.shape.batch, item.batch, item.kv_head, item.key_begin,
                         item.key_end - item.key_begin);
-    // Several queries a kv head (a prefill block, or batch rows sharing these keys): arithmetic a
-    // key, not the read, is what limits it, and a prefill's next block reads the same keys again;
-    // such items read as from cache too.
-    const bool in_cache = item.queries * item.member_count() > 1 || row_in_cache(item.batch);
+    // A prefill block (several queries a kv head): arithmetic a key, not the read, limits it, and
+    // its next block reads the same keys again, so it reads as from cache. Decode rows sharing
+    // keys read them once, from memory, and ask for them ahead.
+    const bool in_cache = item.queries > 1 || row_in_cache(item.batch);
     const std::size_t run_length = in_cache ? cached_run_keys_ : memory_run_keys(rows);
     const std::size_t ahead = in_cache ? 0 : prefetch_keys_;
     Run keys;
