@@ -519,19 +519,12 @@ void expect_only_on_an_empty_sequence(const Make& make) {
 }
 
 /// Every storage format, for the typed suites of the scenarios above.
-using StoreFormats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, fp8_e4m3_heads, int8_rows,
-                                      int4_groups, int4_rotated>;
-struct StoreFormatName {
-  template <class T>
-  static std::string GetName(int) {
-    return storage_codec<T>::name;
-  }
-};
+using StoreFormats = gtest_types<formats>;
 
 /// The scenarios above as the typed suite `Suite` over every format: `Suite` is a fixture
 /// template whose factory() makes the backend's stores.
 #define KVCACHE_BLOCK_STORE_SCENARIOS(Suite)                                         \
-  TYPED_TEST_SUITE(Suite, StoreFormats, StoreFormatName);                            \
+  TYPED_TEST_SUITE(Suite, StoreFormats, FormatName);                                 \
   TYPED_TEST(Suite, APrefixSavedByAnotherPoolIsReusedWithTheRowsOfComputingIt) {     \
     expect_prefix_from_another_pool<TypeParam>(this->factory());                     \
   }                                                                                  \

@@ -29,6 +29,8 @@
 #include "kvcache/ring_kv_cache.hpp"
 #include "kvcache/slot_kv_cache.hpp"
 #include "pooled_sequence.hpp"
+#include "support/format_matrix.hpp"
+#include "support/formats.hpp"
 
 namespace kvcache::testing {
 
@@ -63,41 +65,34 @@ std::size_t layer_length(const Cache& cache, std::size_t layer) {
   }
 }
 
-// Under AddressSanitizer (CI's sanitized build, whose length bounds CI) the variants besides
-// KvCache skip double and half, which share float's and bfloat16's code paths, and fp8_e4m3 and
-// int4_rotated, which share int8_rows' and int4_groups' (a scale per row, groups in the row);
-// every format still runs there through KvCache, and the release build runs every pair.
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define KVCACHE_TESTS_SANITIZED 1
 #endif
 #endif
 
-/// Every variant over every storage format: the protocol's typed suites run over all of them.
+/// Whether format T has code paths of its own: all but double and half, which share float's and
+/// bfloat16's.
+template <class T>
+struct own_code_path : std::bool_constant<!(std::is_same_v<T, double> || std::is_same_v<T, Eigen::half>)> {};
+
+/// Whether the variants besides KvCache run format T under AddressSanitizer (CI's sanitized
+/// build, whose length bounds CI): the formats with code paths of their own, but fp8_e4m3 and
+/// int4_rotated, which share int8_rows' and int4_groups' (a scale per row, groups in the row).
+/// Every format still runs there through KvCache, and the release build runs every pair.
+template <class T>
+struct runs_sanitized
+    : std::bool_constant<own_code_path<T>::value && !std::is_same_v<T, fp8_e4m3> && !std::is_same_v<T, int4_rotated>> {
+};
 #if defined(KVCACHE_TESTS_SANITIZED)
-using AllCaches = ::testing::Types<
-    KvCache<float>, KvCache<double>, KvCache<Eigen::half>, KvCache<Eigen::bfloat16>, KvCache<fp8_e4m3>,
-    KvCache<fp8_e4m3_heads>, KvCache<int8_rows>, KvCache<int4_groups>, KvCache<int4_rotated>, ConcatKvCache<float>,
-    ConcatKvCache<Eigen::bfloat16>, ConcatKvCache<fp8_e4m3_heads>, ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>,
-    RingKvCache<float>, RingKvCache<Eigen::bfloat16>, RingKvCache<fp8_e4m3_heads>, RingKvCache<int8_rows>,
-    RingKvCache<int4_groups>, SlotKvCache<float>, SlotKvCache<Eigen::bfloat16>, SlotKvCache<fp8_e4m3_heads>,
-    SlotKvCache<int8_rows>, SlotKvCache<int4_groups>, PooledSequence<float>, PooledSequence<Eigen::bfloat16>,
-    PooledSequence<fp8_e4m3_heads>, PooledSequence<int8_rows>, PooledSequence<int4_groups>>;
+using variant_formats = filter<runs_sanitized, formats>;
 #else
-using AllCaches = ::testing::Types<
-    KvCache<float>, KvCache<double>, KvCache<Eigen::half>, KvCache<Eigen::bfloat16>, KvCache<fp8_e4m3>,
-    KvCache<fp8_e4m3_heads>, KvCache<int8_rows>, KvCache<int4_groups>, KvCache<int4_rotated>, ConcatKvCache<float>,
-    ConcatKvCache<double>, ConcatKvCache<Eigen::half>, ConcatKvCache<Eigen::bfloat16>, ConcatKvCache<fp8_e4m3>,
-    ConcatKvCache<fp8_e4m3_heads>, ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, ConcatKvCache<int4_rotated>,
-    RingKvCache<float>, RingKvCache<double>, RingKvCache<Eigen::half>, RingKvCache<Eigen::bfloat16>,
-    RingKvCache<fp8_e4m3>, RingKvCache<fp8_e4m3_heads>, RingKvCache<int8_rows>, RingKvCache<int4_groups>,
-    RingKvCache<int4_rotated>, SlotKvCache<float>, SlotKvCache<double>, SlotKvCache<Eigen::half>,
-    SlotKvCache<Eigen::bfloat16>, SlotKvCache<fp8_e4m3>, SlotKvCache<fp8_e4m3_heads>, SlotKvCache<int8_rows>,
-    SlotKvCache<int4_groups>, SlotKvCache<int4_rotated>, PooledSequence<float>, PooledSequence<double>,
-    PooledSequence<Eigen::half>, PooledSequence<Eigen::bfloat16>, PooledSequence<fp8_e4m3>,
-    PooledSequence<fp8_e4m3_heads>, PooledSequence<int8_rows>, PooledSequence<int4_groups>,
-    PooledSequence<int4_rotated>>;
+using variant_formats = formats;
 #endif
+
+/// Every variant over every storage format: the protocol's typed suites run over all of them.
+using AllCaches = gtest_types<concat<formats::transform<KvCache>,
+                                     every<variant_formats, ConcatKvCache, RingKvCache, SlotKvCache, PooledSequence>>>;
 
 /// What the suites feed a cache storing T: T itself where it is a compute type, else float.
 template <class T>

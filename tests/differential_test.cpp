@@ -199,13 +199,7 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
 
 template <class T>
 class BatchDifferential : public ::testing::Test {};
-using BatchFormats = ::testing::Types<float, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
-struct FormatName {
-  template <class T>
-  static std::string GetName(int) {
-    return storage_codec<T>::name;
-  }
-};
+using BatchFormats = gtest_types<filter<own_code_path, formats>>;
 TYPED_TEST_SUITE(BatchDifferential, BatchFormats, FormatName);
 
 // Up to four sequences of one pool (new ones, forks of live ones) written through PagedBatch

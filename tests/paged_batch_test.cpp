@@ -74,13 +74,7 @@ class Batch : public ::testing::Test {
   }
 };
 
-using Formats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, int8_rows, int4_groups>;
-struct FormatName {
-  template <class T>
-  static std::string GetName(int) {
-    return storage_codec<T>::name;
-  }
-};
+using Formats = gtest_types<formats>;
 TYPED_TEST_SUITE(Batch, Formats, FormatName);
 
 TYPED_TEST(Batch, ABatchUpdateWritesWhatEachSequencesOwnUpdateWrites) {

@@ -102,14 +102,7 @@ class Paged : public ::testing::Test {
   }
 };
 
-using Formats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, fp8_e4m3_heads, int8_rows,
-                                 int4_groups, int4_rotated>;
-struct FormatName {
-  template <class T>
-  static std::string GetName(int) {
-    return storage_codec<T>::name;
-  }
-};
+using Formats = gtest_types<formats>;
 TYPED_TEST_SUITE(Paged, Formats, FormatName);
 
 std::vector<TokenId> ids(std::initializer_list<int> values) { return {values.begin(), values.end()}; }

@@ -362,14 +362,7 @@ TEST(Int4Rotated, AnOutsizedChannelCostsItsNeighboursLessThanInGroupsOfTheirOwn)
 template <class Cache>
 class QuantizedCaches : public ::testing::Test {};
 using QuantizedCacheTypes =
-    ::testing::Types<KvCache<fp8_e4m3>, KvCache<fp8_e4m3_heads>, KvCache<int8_rows>, KvCache<int4_groups>,
-                     KvCache<int4_rotated>, ConcatKvCache<fp8_e4m3>, ConcatKvCache<fp8_e4m3_heads>,
-                     ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, ConcatKvCache<int4_rotated>,
-                     RingKvCache<fp8_e4m3>, RingKvCache<fp8_e4m3_heads>, RingKvCache<int8_rows>,
-                     RingKvCache<int4_groups>, RingKvCache<int4_rotated>, SlotKvCache<fp8_e4m3>,
-                     SlotKvCache<fp8_e4m3_heads>, SlotKvCache<int8_rows>, SlotKvCache<int4_groups>,
-                     SlotKvCache<int4_rotated>, PooledSequence<fp8_e4m3>, PooledSequence<fp8_e4m3_heads>,
-                     PooledSequence<int8_rows>, PooledSequence<int4_groups>, PooledSequence<int4_rotated>>;
+    gtest_types<every<quantized_formats, KvCache, ConcatKvCache, RingKvCache, SlotKvCache, PooledSequence>>;
 TYPED_TEST_SUITE(QuantizedCaches, QuantizedCacheTypes, CacheName);
 
 TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTheCacheUnchanged) {

@@ -29,6 +29,8 @@
 #include "kvcache/slot_kv_cache.hpp"
 #include "pooled_sequence.hpp"
 #include "qwen3/model.hpp"
+#include "support/format_matrix.hpp"
+#include "support/tolerances.hpp"
 
 namespace {
 
@@ -61,55 +63,7 @@ double max_abs_diff(const Matrix& a, const Matrix& b) {
   return static_cast<double>((a - b).cwiseAbs().maxCoeff());
 }
 
-// ---- the cases: a cache variant, its element type, its window, and the tolerance -------------
-
-/// The bound on |cached - uncached| for a cache storing T, the uncached side exact in float.
-/// float and double hold the model's float K and V exactly: 1e-5. The 16-bit types round them
-/// (half to an 11-bit significand, bfloat16 to 8 bits); on this model and these sequences that
-/// measured at most 2.8e-3 (half) and 2.3e-2 (bfloat16), and the bounds leave ~3x headroom.
-/// The quantized formats measured 0.35 (fp8_e4m3), 0.076 (int8_rows) and 1.17 (int4_groups:
-/// one group of 32 a row here); docs/quantization.md has their budget over long decodes.
-template <class T>
-constexpr double tolerance() {
-  if constexpr (std::is_same_v<T, Eigen::half>) return 1e-2;
-  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return 6e-2;
-  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3>) return 1.0;
-  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3_heads>) return 1.0;
-  if constexpr (std::is_same_v<T, kvcache::int8_rows>) return 0.25;
-  if constexpr (std::is_same_v<T, kvcache::int4_groups>) return 3.5;
-  if constexpr (std::is_same_v<T, kvcache::int4_rotated>) return 3.5;
-  return 1e-5;
-}
-
-/// The bound when the uncached side rounds K and V to T too. Then only the float rounding of
-/// K and V before the cast differs (a chunk and a single token project it in a different
-/// order), so a 16-bit value now and then lands one step apart: measured 3.4e-4 (half) and
-/// 1.3e-3 (bfloat16). A quantized code one step apart moves more (a step is 1/8 of the value
-/// in fp8, 1/15 of the group's range in int4): measured 1.1e-2 (fp8_e4m3), 1.8e-3 (int8_rows),
-/// 3.7e-2 (int4_groups).
-template <class T>
-constexpr double rounded_tolerance() {
-  if constexpr (std::is_same_v<T, Eigen::half>) return 1.5e-3;
-  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return 5e-3;
-  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3>) return 3e-2;
-  if constexpr (std::is_same_v<T, kvcache::fp8_e4m3_heads>) return 3e-2;
-  if constexpr (std::is_same_v<T, kvcache::int8_rows>) return 6e-3;
-  if constexpr (std::is_same_v<T, kvcache::int4_groups>) return 0.12;
-  if constexpr (std::is_same_v<T, kvcache::int4_rotated>) return 0.12;
-  return 1e-5;
-}
-
-template <class T>
-const char* type_name() {
-  if constexpr (std::is_same_v<T, float>) return "float";
-  if constexpr (std::is_same_v<T, double>) return "double";
-  if constexpr (std::is_same_v<T, Eigen::half>) return "half";
-  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return "bfloat16";
-  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, double> && !std::is_same_v<T, Eigen::half> &&
-                !std::is_same_v<T, Eigen::bfloat16>) {
-    return kvcache::storage_codec<T>::name;
-  }
-}
+// ---- the cases: a cache variant, its element type and its window (tolerances: support/) ------
 
 template <template <class> class CacheT, class T>
 struct Dense {
@@ -132,7 +86,7 @@ struct Dense {
                           : std::is_same_v<Cache, kvcache::SlotKvCache<T>>             ? "SlotKvCache<"
                           : std::is_same_v<Cache, kvcache::testing::PooledSequence<T>> ? "PagedKvCache<"
                                                                                        : "ConcatKvCache<";
-    return variant + std::string(type_name<T>()) + ">";
+    return variant + std::string(kvcache::format_name<T>()) + ">";
   }
 };
 
@@ -155,7 +109,7 @@ struct Ring {
                   .value_scales = scales.values});
   }
   static std::string name() {
-    return "RingKvCache<" + std::string(type_name<T>()) + "> window " + std::to_string(Window) + " sinks " +
+    return "RingKvCache<" + std::string(kvcache::format_name<T>()) + "> window " + std::to_string(Window) + " sinks " +
            std::to_string(Sinks) + " slack " + std::to_string(Slack);
   }
 };
@@ -186,7 +140,7 @@ struct Windowed {
   }
   static std::string name() {
     const bool slot = std::is_same_v<Cache, kvcache::SlotKvCache<T>>;
-    return (slot ? "SlotKvCache<" : "PagedKvCache<") + std::string(type_name<T>()) + "> window " +
+    return (slot ? "SlotKvCache<" : "PagedKvCache<") + std::string(kvcache::format_name<T>()) + "> window " +
            std::to_string(Window) + " sinks " + std::to_string(Sinks) + " slack " + std::to_string(Slack);
   }
 };
@@ -210,28 +164,21 @@ struct CaseName {
   }
 };
 
-// A window of 7 over 48 tokens is several windows long; chunks of 9 to 20 tokens are longer
-// than it, so a chunk after the wrap needs keys the ring had to stage rather than overwrite.
-using Cases = ::testing::Types<
-    KvCase<float>, ConcatCase<float>, Ring<float, 7, 0, 0>, Ring<float, 7, 3, 2>, Ring<float, 1, 2, 0>,
-    Ring<float, 64, 0, 0>, KvCase<double>, ConcatCase<double>, Ring<double, 7, 2, 1>, KvCase<Eigen::half>,
-    ConcatCase<Eigen::half>, Ring<Eigen::half, 7, 2, 1>, KvCase<Eigen::bfloat16>, ConcatCase<Eigen::bfloat16>,
-    Ring<Eigen::bfloat16, 7, 2, 1>, KvCase<kvcache::fp8_e4m3>, ConcatCase<kvcache::fp8_e4m3>,
-    Ring<kvcache::fp8_e4m3, 7, 2, 1>, KvCase<kvcache::fp8_e4m3_heads>, ConcatCase<kvcache::fp8_e4m3_heads>,
-    Ring<kvcache::fp8_e4m3_heads, 7, 2, 1>, KvCase<kvcache::int8_rows>, ConcatCase<kvcache::int8_rows>,
-    Ring<kvcache::int8_rows, 7, 2, 1>, KvCase<kvcache::int4_groups>, ConcatCase<kvcache::int4_groups>,
-    Ring<kvcache::int4_groups, 7, 2, 1>, KvCase<kvcache::int4_rotated>, ConcatCase<kvcache::int4_rotated>,
-    Ring<kvcache::int4_rotated, 7, 2, 1>, SlotCase<float>, SlotCase<double>, SlotCase<Eigen::half>,
-    SlotCase<Eigen::bfloat16>, SlotCase<kvcache::fp8_e4m3>, SlotCase<kvcache::fp8_e4m3_heads>,
-    SlotCase<kvcache::int8_rows>, SlotCase<kvcache::int4_groups>, SlotCase<kvcache::int4_rotated>, PagedCase<float>,
-    PagedCase<double>, PagedCase<Eigen::half>, PagedCase<Eigen::bfloat16>, PagedCase<kvcache::fp8_e4m3>,
-    PagedCase<kvcache::fp8_e4m3_heads>, PagedCase<kvcache::int8_rows>, PagedCase<kvcache::int4_groups>,
-    PagedCase<kvcache::int4_rotated>, Windowed<kvcache::SlotKvCache, float, 7, 2, 15>,
-    Windowed<kvcache::SlotKvCache, float, 1, 0, 15>, Windowed<kvcache::SlotKvCache, Eigen::bfloat16, 7, 2, 15>,
-    Windowed<kvcache::testing::PooledSequence, float, 7, 0, 0>,
-    Windowed<kvcache::testing::PooledSequence, float, 7, 3, 2>,
-    Windowed<kvcache::testing::PooledSequence, float, 1, 2, 0>,
-    Windowed<kvcache::testing::PooledSequence, kvcache::int8_rows, 7, 2, 1>>;
+template <class T>
+using RingCase = Ring<T, 7, 2, 1>;
+
+// Every format through every variant, then the windows: a window of 7 over 48 tokens is several
+// windows long; chunks of 9 to 20 tokens are longer than it, so a chunk after the wrap needs keys
+// the ring had to stage rather than overwrite.
+using Cases = kvcache::testing::gtest_types<kvcache::testing::concat<
+    kvcache::testing::every<kvcache::testing::formats, KvCase, ConcatCase, RingCase, SlotCase, PagedCase>,
+    kvcache::type_list<Ring<float, 7, 0, 0>, Ring<float, 7, 3, 2>, Ring<float, 1, 2, 0>, Ring<float, 64, 0, 0>,
+                       Windowed<kvcache::SlotKvCache, float, 7, 2, 15>, Windowed<kvcache::SlotKvCache, float, 1, 0, 15>,
+                       Windowed<kvcache::SlotKvCache, Eigen::bfloat16, 7, 2, 15>,
+                       Windowed<kvcache::testing::PooledSequence, float, 7, 0, 0>,
+                       Windowed<kvcache::testing::PooledSequence, float, 7, 3, 2>,
+                       Windowed<kvcache::testing::PooledSequence, float, 1, 2, 0>,
+                       Windowed<kvcache::testing::PooledSequence, kvcache::int8_rows, 7, 2, 1>>>>;
 
 template <class Case>
 class Equivalence : public ::testing::Test {};
@@ -298,8 +245,8 @@ TYPED_TEST(Equivalence, CachedLogitsEqualUncachedAtEveryPosition) {
       ASSERT_EQ(cache.length(), position + count);
       const auto ref = reference.middleRows(static_cast<Eigen::Index>(position), static_cast<Eigen::Index>(count));
       const double err = max_abs_diff(logits, ref);
-      EXPECT_LE(err, tolerance<T>()) << Case::name() << ", " << schedule.what << ": positions " << position << ".."
-                                     << position + count - 1;
+      EXPECT_LE(err, kvcache::testing::logit_tolerance<T>().vs_float)
+          << Case::name() << ", " << schedule.what << ": positions " << position << ".." << position + count - 1;
       worst = std::max(worst, err);
       worst_rounded =
           std::max(worst_rounded, max_abs_diff(logits, rounded.middleRows(static_cast<Eigen::Index>(position),
@@ -308,9 +255,9 @@ TYPED_TEST(Equivalence, CachedLogitsEqualUncachedAtEveryPosition) {
       ++step;
     }
   }
-  EXPECT_LE(worst_rounded, rounded_tolerance<T>()) << Case::name();
+  EXPECT_LE(worst_rounded, kvcache::testing::logit_tolerance<T>().vs_rounded) << Case::name();
   std::printf("[ max |dlogit| ] %-48s vs uncached float %.3g, vs uncached %s-rounded %.3g\n", Case::name().c_str(),
-              worst, type_name<T>(), worst_rounded);
+              worst, kvcache::format_name<T>(), worst_rounded);
 }
 
 // ---- a batch of sequences in the rows of a slot cache --------------------------------------

@@ -28,6 +28,7 @@
 #include "kvcache/quantized.hpp"
 #include "kvcache/slot_kv_cache.hpp"
 #include "qwen3/model.hpp"
+#include "support/format_matrix.hpp"
 
 namespace {
 
@@ -148,15 +149,8 @@ class RequestIsolation : public ::testing::Test {
   kvcache::CalibratedScales scales_;
 };
 
-using Formats =
-    ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, kvcache::fp8_e4m3, kvcache::fp8_e4m3_heads,
-                     kvcache::int8_rows, kvcache::int4_groups, kvcache::int4_rotated>;
-struct FormatName {
-  template <class T>
-  static std::string GetName(int) {
-    return kvcache::storage_codec<T>::name;
-  }
-};
+using Formats = kvcache::testing::gtest_types<kvcache::testing::formats>;
+using kvcache::testing::FormatName;
 TYPED_TEST_SUITE(RequestIsolation, Formats, FormatName);
 
 /// A slot-cache schedule: at which step each request is admitted (in the order listed, when

@@ -83,9 +83,7 @@ class Slots : public ::testing::Test {
   std::uint64_t seed_ = 1;
 };
 
-using SlotCaches = ::testing::Types<SlotKvCache<float>, SlotKvCache<double>, SlotKvCache<Eigen::half>,
-                                    SlotKvCache<Eigen::bfloat16>, SlotKvCache<fp8_e4m3>, SlotKvCache<fp8_e4m3_heads>,
-                                    SlotKvCache<int8_rows>, SlotKvCache<int4_groups>, SlotKvCache<int4_rotated>>;
+using SlotCaches = gtest_types<formats::transform<SlotKvCache>>;
 TYPED_TEST_SUITE(Slots, SlotCaches, CacheName);
 
 TYPED_TEST(Slots, RowsAdvanceByTheirOwnCountsAndEachHoldsOnlyItsOwnTokens) {

@@ -205,15 +205,7 @@ class RecordingBuf : public std::streambuf {
 
 // ---- the typed suite over every variant and format -----------------------------------------
 
-using StateCaches =
-    ::testing::Types<KvCache<float>, KvCache<double>, KvCache<Eigen::half>, KvCache<Eigen::bfloat16>, KvCache<fp8_e4m3>,
-                     KvCache<fp8_e4m3_heads>, KvCache<int8_rows>, KvCache<int4_groups>, KvCache<int4_rotated>,
-                     ConcatKvCache<float>, ConcatKvCache<double>, ConcatKvCache<Eigen::half>,
-                     ConcatKvCache<Eigen::bfloat16>, ConcatKvCache<fp8_e4m3>, ConcatKvCache<fp8_e4m3_heads>,
-                     ConcatKvCache<int8_rows>, ConcatKvCache<int4_groups>, ConcatKvCache<int4_rotated>,
-                     RingKvCache<float>, RingKvCache<double>, RingKvCache<Eigen::half>, RingKvCache<Eigen::bfloat16>,
-                     RingKvCache<fp8_e4m3>, RingKvCache<fp8_e4m3_heads>, RingKvCache<int8_rows>,
-                     RingKvCache<int4_groups>, RingKvCache<int4_rotated>>;
+using StateCaches = gtest_types<every<formats, KvCache, ConcatKvCache, RingKvCache>>;
 
 /// What every cache shows beside its rows: bytes, clipped count and head scales.
 struct Totals {
@@ -751,8 +743,7 @@ class SlotStateFile : public ::testing::Test {
   }
 };
 
-using SlotFormats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, fp8_e4m3_heads, int8_rows,
-                                     int4_groups, int4_rotated>;
+using SlotFormats = gtest_types<formats>;
 TYPED_TEST_SUITE(SlotStateFile, SlotFormats);
 
 TYPED_TEST(SlotStateFile, RoundTripIsBitExactAndContinuesTheSame) {
@@ -962,8 +953,7 @@ class PagedStateFile : public ::testing::Test {
   }
 };
 
-using PagedFormats = ::testing::Types<float, double, Eigen::half, Eigen::bfloat16, fp8_e4m3, fp8_e4m3_heads, int8_rows,
-                                      int4_groups, int4_rotated>;
+using PagedFormats = gtest_types<formats>;
 TYPED_TEST_SUITE(PagedStateFile, PagedFormats);
 
 TYPED_TEST(PagedStateFile, RoundTripIsBitExactContinuesTheSameAndIsReused) {

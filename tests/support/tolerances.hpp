@@ -1,0 +1,56 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// How far logits through a cache of each storage format may stray, one row a format, keyed by
+// its name. A format without a row fails to compile where its tolerance is asked for, and the
+// check below fails for any format of storage_formats without one.
+
+#include <stdexcept>
+#include <string_view>
+
+#include "kvcache/formats.hpp"
+
+namespace kvcache::testing {
+
+/// The bounds on the tiny Qwen3 model's |cached - uncached| logits for a cache storing a format.
+struct LogitTolerance {
+  std::string_view format;  // format_name<T>()
+  /// The uncached side exact in float. float and double hold the model's float K and V exactly.
+  /// The 16-bit types round them (half to an 11-bit significand, bfloat16 to 8 bits): measured at
+  /// most 2.8e-3 (half) and 2.3e-2 (bfloat16), ~3x headroom. The quantized formats measured 0.35
+  /// (fp8_e4m3), 0.076 (int8_rows) and 1.17 (int4_groups: one group of 32 a row here);
+  /// docs/quantization.md has their budget over long decodes.
+  double vs_float;
+  /// The uncached side rounding K and V to the format too: only the float rounding of K and V
+  /// before the cast differs (a chunk and a single token project it in a different order), so a
+  /// 16-bit value now and then lands one step apart: measured 3.4e-4 (half) and 1.3e-3
+  /// (bfloat16). A quantized code one step apart moves more (a step is 1/8 of the value in fp8,
+  /// 1/15 of the group's range in int4): measured 1.1e-2 (fp8_e4m3), 1.8e-3 (int8_rows), 3.7e-2
+  /// (int4_groups).
+  double vs_rounded;
+};
+
+inline constexpr LogitTolerance kLogitTolerances[] = {
+    {"float", 1e-5, 1e-5},      {"double", 1e-5, 1e-5},        {"half", 1e-2, 1.5e-3},
+    {"bfloat16", 6e-2, 5e-3},   {"fp8_e4m3", 1.0, 3e-2},       {"int8_rows", 0.25, 6e-3},
+    {"int4_groups", 3.5, 0.12}, {"fp8_e4m3_heads", 1.0, 3e-2}, {"int4_rotated", 3.5, 0.12},
+};
+
+/// The row of format T (constant-evaluated: no row, no build).
+template <class T>
+constexpr LogitTolerance logit_tolerance() {
+  for (const LogitTolerance& row : kLogitTolerances) {
+    if (row.format == format_name<T>()) return row;
+  }
+  throw std::logic_error("tests/support/tolerances.hpp: no tolerance row for this format");
+}
+
+static_assert(
+    [] {
+      bool every = true;
+      for_each_format([&]<class T>() { every = every && logit_tolerance<T>().vs_float > 0.0; });
+      return every;
+    }(),
+    "every format of kvcache::storage_formats needs a row in kLogitTolerances");
+
+}  // namespace kvcache::testing
