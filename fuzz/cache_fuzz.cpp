@@ -39,6 +39,7 @@
 #include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
 #include "kvcache/slot_kv_cache.hpp"
+#include "support/formats.hpp"
 
 namespace kvcache::fuzz {
 namespace {
@@ -2030,35 +2031,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   using namespace kvcache;
   fuzz::Bytes in(data, size);
   const std::size_t variant = in.byte() % 5;
-  const std::size_t format = in.byte() % 9;
+  // The format byte indexes storage_formats, in its order: what the corpus' files were written for.
+  const std::size_t format = in.byte() % testing::formats::size;
   const fuzz::Setup setup = fuzz::read_setup(in);
-  switch (format) {
-    case 0:
-      fuzz::run_format<float>(variant, setup, in);
-      break;
-    case 1:
-      fuzz::run_format<double>(variant, setup, in);
-      break;
-    case 2:
-      fuzz::run_format<Eigen::half>(variant, setup, in);
-      break;
-    case 3:
-      fuzz::run_format<Eigen::bfloat16>(variant, setup, in);
-      break;
-    case 4:
-      fuzz::run_format<fp8_e4m3>(variant, setup, in);
-      break;
-    case 5:
-      fuzz::run_format<int8_rows>(variant, setup, in);
-      break;
-    case 6:
-      fuzz::run_format<int4_groups>(variant, setup, in);
-      break;
-    case 7:
-      fuzz::run_format<fp8_e4m3_heads>(variant, setup, in);
-      break;
-    default:
-      fuzz::run_format<int4_rotated>(variant, setup, in);
-  }
+  testing::formats::visit(format, [&]<class T>() { fuzz::run_format<T>(variant, setup, in); });
   return 0;
 }

@@ -95,10 +95,8 @@ int main(int argc, char** argv) {
   std::size_t i = 0;
   for (std::size_t v = 0; v < kVariants; ++v) {
     for (std::size_t f = 0; f < kFormats; ++f, ++i) {
-      const std::string file =
-          with_format(f, [&](auto tag) { return saved_state<typename decltype(tag)::type>(Variant(v)); });
-      const std::string name =
-          with_format(f, [](auto tag) { return std::string(storage_codec<typename decltype(tag)::type>::name); });
+      const std::string file = with_format_at(f, [&]<class T>() { return saved_state<T>(Variant(v)); });
+      const std::string name = with_format_at(f, []<class T>() { return std::string(format_name<T>()); });
       std::string input;
       input += static_cast<char>(i % 16);
       input += static_cast<char>(v * kFormats + f);

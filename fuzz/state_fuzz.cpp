@@ -272,8 +272,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::size_t variant = data[1] / kFormats % kVariants, format = data[1] % kFormats;
   std::string file(reinterpret_cast<const char*>(data + 2), size - 2);
   if ((flags & kPatch) != 0) {
-    file = with_format(format,
-                       [&](auto tag) { return patched_state<typename decltype(tag)::type>(Variant(variant), file); });
+    file = with_format_at(format, [&]<class T>() { return patched_state<T>(Variant(variant), file); });
   } else if ((flags & kRepair) != 0) {
     repair(file);
   }
@@ -296,8 +295,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     config.key_scales = info->key_scales;  // as the file's rows were encoded (formats with head scales)
     config.value_scales = info->value_scales;
   }
-  with_format(format, [&](auto tag) {
-    run_variant<typename decltype(tag)::type>(Variant(variant), config, flags, file, info);
-  });
+  with_format_at(format, [&]<class T>() { run_variant<T>(Variant(variant), config, flags, file, info); });
   return 0;
 }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kvcache/kvcache.hpp"
+#include "support/formats.hpp"
 
 namespace state_fuzz {
 
@@ -42,47 +43,21 @@ inline constexpr std::size_t kLayers = 2, kBatch = 2, kSlots = 3, kHeads = 2, kD
 inline constexpr std::size_t kWindow = 4, kSinks = 1, kSlack = 1, kBlockTokens = 4, kBlocks = 8;
 
 enum class Variant { dense, concat, ring, slot, paged };
-inline constexpr std::size_t kVariants = 5, kFormats = 9;
+inline constexpr std::size_t kVariants = 5, kFormats = kvcache::testing::formats::size;
 inline constexpr const char* kVariantNames[kVariants] = {"KvCache", "ConcatKvCache", "RingKvCache", "SlotKvCache",
                                                          "PagedKvCache"};
 
-template <class T>
-struct Tag {
-  using type = T;
-};
-
-/// Calls f(Tag<T>{}) for the storage format with this index (0..8).
+/// Calls f.template operator()<T>() for the storage format with this index (mod kFormats): the
+/// index a corpus file's target byte holds, in the order of storage_formats.
 template <class F>
-decltype(auto) with_format(std::size_t index, F&& f) {
-  switch (index % kFormats) {
-    case 0:
-      return f(Tag<float>{});
-    case 1:
-      return f(Tag<double>{});
-    case 2:
-      return f(Tag<Eigen::half>{});
-    case 3:
-      return f(Tag<Eigen::bfloat16>{});
-    case 4:
-      return f(Tag<fp8_e4m3>{});
-    case 5:
-      return f(Tag<int8_rows>{});
-    case 6:
-      return f(Tag<int4_groups>{});
-    case 7:
-      return f(Tag<fp8_e4m3_heads>{});
-    default:
-      return f(Tag<int4_rotated>{});
-  }
+decltype(auto) with_format_at(std::size_t index, F&& f) {
+  return kvcache::testing::formats::visit(index % kFormats, std::forward<F>(f));
 }
 
-/// The index of the format named `name` (storage_codec<T>::name), or kFormats.
+/// The index of the format named `name` (format_name<T>()), or kFormats.
 inline std::size_t format_index(const std::string& name) {
   for (std::size_t i = 0; i < kFormats; ++i) {
-    if (with_format(i, [](auto tag) { return std::string(storage_codec<typename decltype(tag)::type>::name); }) ==
-        name) {
-      return i;
-    }
+    if (with_format_at(i, []<class T>() { return std::string(format_name<T>()); }) == name) return i;
   }
   return kFormats;
 }
