@@ -148,7 +148,8 @@ void BM_QuantizedUpdate(benchmark::State& state) {
 }
 
 template <class T>
-void register_format(const char* name) {
+void register_format() {
+  const std::string name = kvcache::format_name<T>();
   auto* decode =
       benchmark::RegisterBenchmark((std::string("QuantizedDecode<") + name + ">").c_str(), BM_QuantizedDecode<T>)
           ->ArgNames({"H_q", "S", "threads"})
@@ -165,12 +166,11 @@ void register_format(const char* name) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  register_format<kvcache::fp8_e4m3>("fp8_e4m3");
-  register_format<kvcache::fp8_e4m3_heads>("fp8_e4m3_heads");
-  register_format<kvcache::int8_rows>("int8_rows");
-  register_format<kvcache::int4_groups>("int4_groups");
-  register_format<kvcache::int4_rotated>("int4_rotated");
-  register_format<Eigen::bfloat16>("bfloat16");
+  // Every quantized format (one an engine does not compute in), then bfloat16 alone.
+  kvcache::for_each_format([]<class T>() {
+    if constexpr (!kvcache::compute_type<T>) register_format<T>();
+  });
+  register_format<Eigen::bfloat16>();
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kvcache/concat_kv_cache.hpp"
+#include "kvcache/formats.hpp"
 #include "kvcache/kv_cache.hpp"
 #include "kvcache/quantized.hpp"
 #include "kvcache/ring_kv_cache.hpp"
@@ -54,9 +55,10 @@ Greedy generation with a tiny Qwen3 model, uncached and through each kvcache var
   --window W            RingKvCache window (default 32; 0 leaves the ring out)
   --sinks S             RingKvCache sink positions (default 4)
   --type T              cache element type: float, double, half, bf16 (default float)
-  --cache Q             also store K and V quantized: fp8, fp8_heads (its scales calibrated on the
-                        prompt), int8, int4 or int4_rotated; prints the logit error against the
-                        float and bfloat16 caches, and the bytes of each
+  --cache Q             also store K and V quantized: any quantized format by name (fp8_e4m3,
+                        int8_rows, ...; a format with head scales has them calibrated on the
+                        prompt), or fp8, fp8_heads, int8, int4; prints the logit error against
+                        the float and bfloat16 caches, and the bytes of each
   --weights DIR         load DIR/config.json and DIR/*.safetensors instead of the random tiny model
   --seed S              seed of the random tiny model (default 2024)
   --scaling LIST        N values of the scaling table, comma-separated, or none (default 64,256,1024)
@@ -88,6 +90,15 @@ struct Options {
   std::vector<std::size_t> contexts = {2048, 8192, 32768};
   std::size_t bytes_per_value = 2;
 };
+
+/// The format --cache names: a format's own name, or one of the short names the demo always took.
+std::string cache_format(const std::string& name) {
+  if (name == "fp8") return "fp8_e4m3";
+  if (name == "fp8_heads") return "fp8_e4m3_heads";
+  if (name == "int8") return "int8_rows";
+  if (name == "int4") return "int4_groups";
+  return name;
+}
 
 [[noreturn]] void usage_error(const std::string& message) {
   std::fprintf(stderr, "kvcache_demo: %s\n\n%s", message.c_str(), usage);
@@ -180,9 +191,13 @@ Options parse_options(int argc, char** argv) {
   if (o.type != "float" && o.type != "double" && o.type != "half" && o.type != "bf16") {
     usage_error("--type: expected float, double, half or bf16, given '" + o.type + "'");
   }
-  if (!o.cache.empty() && o.cache != "fp8" && o.cache != "fp8_heads" && o.cache != "int8" && o.cache != "int4" &&
-      o.cache != "int4_rotated") {
-    usage_error("--cache: expected fp8, fp8_heads, int8, int4 or int4_rotated, given '" + o.cache + "'");
+  if (!o.cache.empty()) {
+    bool quantized = false;
+    try {
+      quantized = kvcache::with_format(cache_format(o.cache), []<class T>() { return !kvcache::compute_type<T>; });
+    } catch (const std::invalid_argument&) {
+    }
+    if (!quantized) usage_error("--cache: expected a quantized format's name, given '" + o.cache + "'");
   }
   return o;
 }
@@ -631,11 +646,11 @@ int demo(const Options& o) {
   } else {
     ok = run<float>(model, prompt, o);
   }
-  if (o.cache == "fp8") run_quantized<kvcache::fp8_e4m3>(model, prompt, o);
-  if (o.cache == "fp8_heads") run_quantized<kvcache::fp8_e4m3_heads>(model, prompt, o);
-  if (o.cache == "int8") run_quantized<kvcache::int8_rows>(model, prompt, o);
-  if (o.cache == "int4") run_quantized<kvcache::int4_groups>(model, prompt, o);
-  if (o.cache == "int4_rotated") run_quantized<kvcache::int4_rotated>(model, prompt, o);
+  if (!o.cache.empty()) {
+    kvcache::with_format(cache_format(o.cache), [&]<class T>() {
+      if constexpr (!kvcache::compute_type<T>) run_quantized<T>(model, prompt, o);
+    });
+  }
   return ok ? 0 : 1;
 }
 

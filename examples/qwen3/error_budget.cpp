@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kvcache/calibration.hpp"
+#include "kvcache/formats.hpp"
 #include "kvcache/quantized.hpp"
 #include "kvcache/size.hpp"
 #include "qwen3/error_budget.hpp"
@@ -126,10 +127,21 @@ std::vector<qwen3::Feed> feeds_of(const Options& o) {
   return feeds;
 }
 
+/// Calls f.template operator()<T>() for bfloat16, then every quantized format (one an engine
+/// does not compute in): the rows of every table.
+template <class F>
+void for_each_row(F&& f) {
+  f.template operator()<Eigen::bfloat16>();
+  kvcache::for_each_format([&]<class T>() {
+    if constexpr (!kvcache::compute_type<T>) f.template operator()<T>();
+  });
+}
+
 /// One budget row: format T against float and bfloat16 (none against itself for bfloat16).
 template <class T>
 void budget_row(qwen3::Model& model, const std::vector<qwen3::TokenId>& tokens, const qwen3::Forcing& how,
-                const qwen3::Decode& as_float, const qwen3::Decode& as_bf16, const std::string& name) {
+                const qwen3::Decode& as_float, const qwen3::Decode& as_bf16) {
+  const std::string name = kvcache::format_name<T>();
   const qwen3::Config& c = model.config();
   const qwen3::Decode d = std::is_same_v<T, Eigen::bfloat16> ? as_bf16 : qwen3::teacher_forced<T>(model, tokens, how);
   const std::string vs_bf16 =
@@ -146,9 +158,8 @@ void budget(const Options& o) {
     qwen3::Model model(qwen3::budget_weights(shape->config, o.outliers));
     const qwen3::Config& c = model.config();
     const auto tokens = qwen3::budget_tokens(c, o.prompt + o.steps);
-    // fp8_e4m3_heads' scales from another text of the same length, with the default margin.
-    const kvcache::CalibratedScales scales =
-        qwen3::calibrated_scales<kvcache::fp8_e4m3_heads>(model, qwen3::budget_tokens(c, o.prompt + o.steps, 8));
+    // Head scales from another text of the same length, with the default margin.
+    const auto calibration = qwen3::budget_tokens(c, o.prompt + o.steps, 8);
     std::printf("\n%s: %s, vocab %zu%s; %zu-token prompt, %zu teacher-forced steps compared\n\n", shape->name,
                 shape->description, c.vocab,
                 o.outliers > 0 ? (", outlier channels x" + cell(o.outliers, "%g")).c_str() : "", o.prompt, o.steps);
@@ -163,14 +174,12 @@ void budget(const Options& o) {
         qwen3::Forcing how{.prompt = o.prompt, .feed = feed, .window = window};
         const qwen3::Decode as_float = qwen3::teacher_forced<float>(model, tokens, how);
         const qwen3::Decode as_bf16 = qwen3::teacher_forced<Eigen::bfloat16>(model, tokens, how);
-        budget_row<Eigen::bfloat16>(model, tokens, how, as_float, as_bf16, "bfloat16");
-        budget_row<kvcache::fp8_e4m3>(model, tokens, how, as_float, as_bf16, "fp8_e4m3");
-        how.scales = scales;
-        budget_row<kvcache::fp8_e4m3_heads>(model, tokens, how, as_float, as_bf16, "fp8_e4m3_heads");
-        how.scales = {};
-        budget_row<kvcache::int8_rows>(model, tokens, how, as_float, as_bf16, "int8_rows");
-        budget_row<kvcache::int4_groups>(model, tokens, how, as_float, as_bf16, "int4_groups");
-        budget_row<kvcache::int4_rotated>(model, tokens, how, as_float, as_bf16, "int4_rotated");
+        for_each_row([&]<class T>() {
+          qwen3::Forcing with = how;
+          if constexpr (kvcache::detail::has_head_scales<T>)
+            with.scales = qwen3::calibrated_scales<T>(model, calibration);
+          budget_row<T>(model, tokens, with, as_float, as_bf16);
+        });
       }
     }
   }
@@ -247,12 +256,7 @@ void bytes() {
   std::printf("\n|---|");
   for (std::size_t i = 0; i < dims.size(); ++i) std::printf("--:|");
   std::printf("\n");
-  bytes_row<Eigen::bfloat16>("bfloat16", dims);
-  bytes_row<kvcache::fp8_e4m3>("fp8_e4m3", dims);
-  bytes_row<kvcache::fp8_e4m3_heads>("fp8_e4m3_heads", dims);
-  bytes_row<kvcache::int8_rows>("int8_rows", dims);
-  bytes_row<kvcache::int4_groups>("int4_groups", dims);
-  bytes_row<kvcache::int4_rotated>("int4_rotated", dims);
+  for_each_row([&]<class T>() { bytes_row<T>(kvcache::format_name<T>(), dims); });
   std::printf("\nfp8_e4m3_heads adds two floats per (layer, kv head) once, not per row.\n");
 }
 
@@ -276,12 +280,7 @@ void sizes() {
   std::printf("| format | bytes/row | bytes/token (K+V, all layers) | head scales | at 32k | vs bf16 |\n");
   std::printf("|---|--:|--:|--:|--:|--:|\n");
   size_row<float>("float");
-  size_row<Eigen::bfloat16>("bfloat16");
-  size_row<kvcache::fp8_e4m3>("fp8_e4m3");
-  size_row<kvcache::fp8_e4m3_heads>("fp8_e4m3_heads");
-  size_row<kvcache::int8_rows>("int8_rows");
-  size_row<kvcache::int4_groups>("int4_groups");
-  size_row<kvcache::int4_rotated>("int4_rotated");
+  for_each_row([]<class T>() { size_row<T>(kvcache::format_name<T>()); });
 }
 
 int run(const Options& o) {
