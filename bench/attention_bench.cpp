@@ -262,8 +262,7 @@ template <class T>
 struct FormatSetup {
   kvcache::KvCache<T> cache;
   kvcache::History<T> history;
-  FormatSetup(std::size_t tokens, std::size_t dim)
-      : cache({.layers = 1, .kv_heads = kKvHeads, .head_dim = dim, .capacity = tokens}) {
+  FormatSetup(std::size_t tokens, std::size_t dim) : cache(config(tokens, dim)) {
     constexpr std::size_t kChunk = 1024;
     const std::vector<float> k = kvcache::bench::normal_floats(kKvHeads * kChunk * dim, 1);
     const std::vector<float> v = kvcache::bench::normal_floats(k.size(), 2);
@@ -275,6 +274,15 @@ struct FormatSetup {
                              kvcache::next_positions(done, n));
       done += n;
     }
+  }
+  /// A format with head scales gets those that hold the normal values written (|x| < 6).
+  static kvcache::KvCacheConfig config(std::size_t tokens, std::size_t dim) {
+    kvcache::KvCacheConfig c{.layers = 1, .kv_heads = kKvHeads, .head_dim = dim, .capacity = tokens};
+    if constexpr (kvcache::detail::has_head_scales<T>) {
+      static const std::vector<float> scales(kKvHeads, kvcache::storage_codec<T>::scale_for(6.0F));
+      c.key_scales = c.value_scales = scales;  // copied by the cache
+    }
+    return c;
   }
   /// The stored K and V rows, and their row scales where the format keeps a scale per row, as
   /// floats (a K buffer, then its V buffer): the bytes a call must read.
@@ -501,6 +509,8 @@ void register_all() {
   limit_rows(BM_DecodeLimit<kvcache::fp8_e4m3>, "DecodeLimit<fp8_e4m3>");
   limit_rows(BM_DecodeLimit<kvcache::int8_rows>, "DecodeLimit<int8_rows>");
   limit_rows(BM_DecodeLimit<kvcache::int4_groups>, "DecodeLimit<int4_groups>");
+  limit_rows(BM_DecodeLimit<kvcache::fp8_e4m3_heads>, "DecodeLimit<fp8_e4m3_heads>");
+  limit_rows(BM_DecodeLimit<kvcache::int4_rotated>, "DecodeLimit<int4_rotated>");
   // Causal prefill, one core: a 512-token chunk from the start and after 2,048 cached tokens, and
   // a 2,048-token one under a window of 128 (and 4 sinks).
   const std::int64_t chunk = tiny ? 32 : 512;

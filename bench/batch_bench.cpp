@@ -7,7 +7,9 @@
 // - SharedPrefixDecode: 16 sequences forked from one 4,096-token prompt, each then 64 tokens of
 //   its own and one decode token. `time_ratio` is the one call's median time over 16 calls';
 //   `bytes_ratio` the blocks the batch holds, each once (what the one call reads), over the
-//   blocks the 16 sequences hold one by one (what 16 calls read).
+//   blocks the 16 sequences hold one by one (what 16 calls read); `multiply_add_ratio` the
+//   time_ratio that the call's multiply-adds alone allow (at the rate of a register-resident
+//   loop), and `vs_multiply_adds` that time over the call's (1: the call is at it).
 // - IndependentDecode: 16 unrelated sequences of 2,048 tokens in one call. `speedup` is the call
 //   on one thread over the call on two; `vs_read_1t` / `vs_read_2t` a plain read of as many bytes
 //   on one / two threads over the call on as many (1: the call reads at the machine's rate).
@@ -115,8 +117,9 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
   for (const auto* s : members) q.positions.push_back(static_cast<std::int64_t>(s->length()) - 1);
   const kvcache::AttentionOptions options{.threads = threads};
   const Evictor evict;
-  std::vector<double> one, each;
+  std::vector<double> one, each, rates;
   for (auto _ : state) {
+    rates.push_back(kvcache::bench::multiply_add_rate(threads, std::size_t{1} << 14));
     evict(threads);
     const kvcache::History<T> history = batch.history(0);
     one.push_back(time_call([&] {
@@ -136,6 +139,12 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
   }
   state.counters["time_ratio"] = median(one) / median(each);
   state.counters["bytes_ratio"] = static_cast<double>(batch.bytes()) / static_cast<double>(apart);
+  // Both ways do the same multiply-adds, 2 D per query head and key (K, then V), which the one
+  // call no longer hides under 16 reads: the time_ratio they allow, and the call's time over it.
+  const double keys = static_cast<double>(prefix + own + 1);
+  const double floor = 2.0 * static_cast<double>(rows * q_heads * kDim) * keys / median(rates);
+  state.counters["multiply_add_ratio"] = floor / median(each);
+  state.counters["vs_multiply_adds"] = floor / median(one);
 }
 
 /// Args: H_q.
