@@ -212,7 +212,8 @@ void causal_attention(TensorView<const Q> q, const PositionsArg& positions, cons
   static_assert(compute_type<Q>,
                 "causal_attention: q and out hold float, double, kvcache::half, kvcache::bfloat16, Eigen::half or "
                 "Eigen::bfloat16.");
-  static_assert(storage_format<T>, "causal_attention: the history's format needs a storage_codec specialization.");
+  static_assert(detail::check_codec<T>(),
+                "causal_attention: the history's format needs a storage_codec specialization.");
   detail::require_complete<Q>();
   const Positions& q_positions = positions.view();
   detail::check_attention(q, q_positions, history, out);

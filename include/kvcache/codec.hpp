@@ -45,6 +45,9 @@
 // A format with head_scales also has row_scales: its segments repeat the head's scale for
 // every row (a token stride of 0), so the kernel reads both kinds the same way. Without rotate,
 // the transform is the identity: the kernel never sees it either way.
+//
+// A codec that lacks a required member stops the build where a cache or causal_attention first
+// uses the format, naming the member (detail::check_codec). docs/extending.md is the checklist.
 
 #include <algorithm>
 #include <bit>
@@ -300,14 +303,102 @@ constexpr const char* format_name() noexcept {
   }
 }
 
-/// A storage format: a type with a complete storage_codec.
-template <class T>
-concept storage_format = requires(std::size_t n) {
-  typename storage_codec<T>::unit;
-  typename storage_codec<T>::acc;
-  { storage_codec<T>::units(n) } -> std::same_as<std::size_t>;
-  { storage_codec<T>::row_scales } -> std::convertible_to<bool>;
+namespace detail {
+
+// The members of a codec the caches and the kernel use, each on its own so that a codec missing
+// one is told which (check_codec).
+template <class C>
+concept codec_has_unit = requires {
+  typename C::unit;
 };
+template <class C>
+concept codec_has_acc = requires {
+  typename C::acc;
+}
+&&(std::same_as<typename C::acc, float> || std::same_as<typename C::acc, double>);
+template <class C>
+concept codec_has_units = requires(std::size_t n) {
+  { C::units(n) } -> std::same_as<std::size_t>;
+};
+template <class C>
+concept codec_has_row_scales = requires {
+  { C::row_scales } -> std::convertible_to<bool>;
+};
+template <class C>
+concept codec_has_load = requires(const typename C::unit* row, std::size_t d) {
+  { C::template load<kNativeBytes>(row, d) } -> std::same_as<Vec<typename C::acc, kNativeBytes>>;
+};
+template <class C>
+concept codec_has_value = requires(const typename C::unit* row, std::size_t d) {
+  { C::value(row, d) } -> std::convertible_to<typename C::acc>;
+};
+template <class C>
+concept codec_has_head_scales = requires {
+  requires C::head_scales;
+};
+template <class C>
+concept codec_has_encode = (codec_has_head_scales<C> &&
+                            requires(const float* in, typename C::unit* row, std::size_t n, float scale) {
+                              { C::encode(in, row, n, scale) } -> std::convertible_to<std::size_t>;
+                              { C::scale_for(scale) } -> std::convertible_to<float>;
+                            }) ||
+                           (!codec_has_head_scales<C> &&
+                            requires(const float* in, typename C::unit* row, std::size_t n) {
+                              { C::encode(in, row, n) } -> std::convertible_to<float>;
+                            });
+
+/// Stops the build at a format whose codec lacks a member the caches or the kernel need, naming
+/// the member (codec.hpp's contract says what each is); true otherwise.
+template <class T>
+constexpr bool check_codec() noexcept {
+  using C = storage_codec<T>;
+  if constexpr (!is_complete<C>) {
+    static_assert(is_complete<C>,
+                  "kvcache: no storage_codec<T> for this T: a storage format is a type with a specialization of "
+                  "kvcache::storage_codec (codec.hpp), or one of kvcache's (formats.hpp lists them).");
+  } else if constexpr (!codec_has_unit<C>) {
+    static_assert(codec_has_unit<C>, "kvcache: storage_codec<T>::unit is missing: the type a stored row is made of.");
+  } else if constexpr (!codec_has_acc<C>) {
+    static_assert(codec_has_acc<C>,
+                  "kvcache: storage_codec<T>::acc is missing or not float or double: the type "
+                  "rows are summed in.");
+  } else if constexpr (!codec_has_units<C>) {
+    static_assert(codec_has_units<C>,
+                  "kvcache: storage_codec<T>::units(head_dim) is missing: a static function "
+                  "giving the units a stored row of head_dim values takes.");
+  } else if constexpr (!codec_has_row_scales<C>) {
+    static_assert(codec_has_row_scales<C>,
+                  "kvcache: storage_codec<T>::row_scales is missing: a static constexpr "
+                  "bool, true if encode returns a scale kept per row.");
+  } else if constexpr (!codec_has_encode<C>) {
+    static_assert(codec_has_encode<C>,
+                  "kvcache: storage_codec<T>::encode is missing or of another signature: template <class In> static "
+                  "float encode(const In* in, unit* row, std::size_t head_dim) (returns the row's scale), or with "
+                  "head_scales, static std::size_t encode(const In*, unit*, std::size_t, float scale) and static "
+                  "float scale_for(float amax).");
+  } else if constexpr (!codec_has_load<C>) {
+    static_assert(codec_has_load<C>,
+                  "kvcache: storage_codec<T>::load is missing or of another signature: "
+                  "template <std::size_t B> static Vec<acc, B> load(const unit* row, "
+                  "std::size_t d), the B bytes of values from d on.");
+  } else if constexpr (!codec_has_value<C>) {
+    static_assert(codec_has_value<C>,
+                  "kvcache: storage_codec<T>::value(row, d) is missing: a static function "
+                  "giving one stored value as acc.");
+  }
+  return is_complete<C> && codec_has_unit<C> && codec_has_acc<C> && codec_has_units<C> && codec_has_row_scales<C> &&
+         codec_has_encode<C> && codec_has_load<C> && codec_has_value<C>;
+}
+
+}  // namespace detail
+
+/// A storage format: a type with a complete storage_codec (detail::check_codec names what a
+/// codec lacks).
+template <class T>
+concept storage_format = detail::is_complete<storage_codec<T>> && detail::codec_has_unit<storage_codec<T>> &&
+    detail::codec_has_acc<storage_codec<T>> && detail::codec_has_units<storage_codec<T>> &&
+    detail::codec_has_row_scales<storage_codec<T>> && detail::codec_has_encode<storage_codec<T>> &&
+    detail::codec_has_load<storage_codec<T>> && detail::codec_has_value<storage_codec<T>>;
 
 /// A value type an engine computes in: float, double, kvcache::half, kvcache::bfloat16, or
 /// Eigen's half and bfloat16 (with <Eigen/Core> included).

@@ -29,7 +29,8 @@ inline namespace KVCACHE_ABI {
 ///   auto history = cache.update(layer, k, v, positions);
 template <class T>
 class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<ConcatKvCache<T>, T> {
-  static_assert(storage_format<T>, "ConcatKvCache<T>: T must be a storage format (a type with a storage_codec).");
+  static_assert(detail::check_codec<T>(),
+                "ConcatKvCache<T>: T must be a storage format (a type with a storage_codec).");
 
  public:
   using value_type = T;

@@ -34,7 +34,7 @@ inline namespace KVCACHE_ABI {
 ///   }
 template <class T>
 class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCache<T>, T> {
-  static_assert(storage_format<T>, "KvCache<T>: T must be a storage format (a type with a storage_codec).");
+  static_assert(detail::check_codec<T>(), "KvCache<T>: T must be a storage format (a type with a storage_codec).");
 
  public:
   using value_type = T;

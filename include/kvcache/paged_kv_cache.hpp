@@ -75,7 +75,7 @@ class PagedBatch;
 /// The pool must outlive its sequences.
 template <class T>
 class BlockPool : private detail::CacheBase {
-  static_assert(storage_format<T>, "BlockPool<T>: T must be a storage format (a type with a storage_codec).");
+  static_assert(detail::check_codec<T>(), "BlockPool<T>: T must be a storage format (a type with a storage_codec).");
 
  public:
   using value_type = T;

@@ -40,7 +40,7 @@ inline namespace KVCACHE_ABI {
 ///   kvcache::causal_attention(q, positions, history, out);
 template <class T>
 class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<RingKvCache<T>, T> {
-  static_assert(storage_format<T>, "RingKvCache<T>: T must be a storage format (a type with a storage_codec).");
+  static_assert(detail::check_codec<T>(), "RingKvCache<T>: T must be a storage format (a type with a storage_codec).");
 
  public:
   using value_type = T;

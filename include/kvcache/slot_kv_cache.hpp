@@ -52,7 +52,7 @@ template <class T>
 class SlotKvCache : public detail::CacheBase,
                     public detail::ComputeTypeUpdates<SlotKvCache<T>, T>,
                     public detail::RowUpdates<SlotKvCache<T>, T> {
-  static_assert(storage_format<T>, "SlotKvCache<T>: T must be a storage format (a type with a storage_codec).");
+  static_assert(detail::check_codec<T>(), "SlotKvCache<T>: T must be a storage format (a type with a storage_codec).");
 
  public:
   using value_type = T;
