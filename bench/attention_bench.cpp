@@ -511,12 +511,15 @@ void register_all() {
   limit_rows(BM_DecodeLimit<kvcache::int4_groups>, "DecodeLimit<int4_groups>");
   limit_rows(BM_DecodeLimit<kvcache::fp8_e4m3_heads>, "DecodeLimit<fp8_e4m3_heads>");
   limit_rows(BM_DecodeLimit<kvcache::int4_rotated>, "DecodeLimit<int4_rotated>");
-  // Causal prefill, one core: a 512-token chunk from the start and after 2,048 cached tokens, and
-  // a 2,048-token one under a window of 128 (and 4 sinks).
+  // Causal prefill, one core: a 512-token chunk from the start and after 2,048 cached tokens (H_q
+  // 16 and 32), and a 2,048-token one under a window of 128 (and 4 sinks).
   const std::int64_t chunk = tiny ? 32 : 512;
   const std::int64_t prefix = tiny ? 32 : 2048;
-  const std::vector<std::vector<std::int64_t>> prefill{
-      {chunk, 0, 16, 1, 0}, {chunk, prefix, 16, 1, 0}, {tiny ? 64 : 2048, 0, 16, 1, tiny ? 8 : 128}};
+  const std::vector<std::vector<std::int64_t>> prefill{{chunk, 0, 16, 1, 0},
+                                                       {chunk, prefix, 16, 1, 0},
+                                                       {chunk, 0, 32, 1, 0},
+                                                       {chunk, prefix, 32, 1, 0},
+                                                       {tiny ? 64 : 2048, 0, 16, 1, tiny ? 8 : 128}};
   for (const auto& args : prefill) {
     add_manual(benchmark::RegisterBenchmark("PrefillAttention<float>", BM_PrefillAttention<float>)
                    ->ArgNames({"T", "P", "H_q", "threads", "window"})
