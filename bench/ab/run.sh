@@ -12,6 +12,7 @@
 #   KVCACHE_AB_CXX=clang++ bench/ab/run.sh cdadbfa HEAD                # another compiler
 #   KVCACHE_AB_KEEP=/tmp/ab bench/ab/run.sh HEAD -- ...                # keep the program (for perf)
 #   KVCACHE_AB_S=512,4096 bench/ab/run.sh cdadbfa HEAD                 # DecodeAB at other lengths
+#   bench/ab/run.sh cdadbfa HEAD HEAD                                  # HEAD twice: what placement alone moves
 #
 # Revisions are named r0, r1, ... in the counters (vs_read:r0 is the first one given), in the
 # order given. Needs g++ (or KVCACHE_AB_CXX) and the Debian packages of scripts/install-deps.sh.
