@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kvcache/calibration.hpp"
+#include "kvcache/formats.hpp"
 #include "kvcache/quantized.hpp"
 #include "qwen3/error_budget.hpp"
 #include "qwen3/model.hpp"
@@ -85,6 +86,8 @@ const std::map<std::string, Budget>& measured() {
       {"bfloat16/qwen3", {0.0195, 4.17e-6, 0.993}},      {"fp8_e4m3/qwen3", {0.255, 1.11e-3, 0.916}},
       {"fp8_e4m3_heads/qwen3", {0.262, 1.14e-3, 0.924}}, {"int8_rows/qwen3", {0.0718, 6.57e-5, 0.980}},
       {"int4_groups/qwen3", {0.797, 9.78e-3, 0.784}},    {"int4_rotated/qwen3", {0.671, 6.47e-3, 0.830}},
+      {"half/tiny", {0.0304, 5.36e-6, 0.997}},           {"half/d48", {0.0167, 3.74e-6, 0.993}},
+      {"half/qwen3", {0.0192, 4.26e-6, 0.993}},
   };
   return table;
 }
@@ -93,18 +96,19 @@ const std::map<std::string, Budget>& measured() {
 /// the |dlogit| and KL; top-1 1.5x the disagreement and half a point lower), tight enough that
 /// the planted mistakes below break fp8's.
 Budget budget(const std::string& format, const std::string& shape) {
-  const Budget m = measured().at(format + "/" + shape);
+  const auto row = measured().find(format + "/" + shape);
+  if (row == measured().end()) {
+    ADD_FAILURE() << "no budget for " << format << " on " << shape
+                  << ": measure it (the [ budget ] lines) and add its row to measured()";
+    return {0.0, 0.0, 1.0};
+  }
+  const Budget m = row->second;
   return {1.5 * m.max_abs, 1.5 * m.mean_kl, 1.0 - 1.5 * (1.0 - m.top1) - 0.005};
 }
 
+/// Every format that rounds K and V (all of storage_formats but float and double) has a budget.
 template <class T>
-std::string format_name() {
-  if constexpr (std::is_same_v<T, Eigen::bfloat16>) {
-    return "bfloat16";
-  } else {
-    return kvcache::storage_codec<T>::name;
-  }
-}
+constexpr bool rounds_values = !std::is_same_v<T, float> && !std::is_same_v<T, double>;
 
 std::string describe(const qwen3::Drift& d) {
   char buf[96];
@@ -134,12 +138,12 @@ class ErrorBudget : public ::testing::TestWithParam<const char*> {
   /// Checks format T against float and bfloat16 in one feed; returns its KL against float.
   template <class T>
   double check(Feed feed, const qwen3::Decode& as_float, const qwen3::Decode& as_bf16) {
-    const std::string name = format_name<T>();
+    const std::string name = kvcache::format_name<T>();
     const Budget b = budget(name, shape_.name);
-    const qwen3::Decode got = std::is_same_v<T, Eigen::bfloat16> ? as_bf16 : decode<T>(feed);
+    const qwen3::Decode got = std::is_same_v<T, kvcache::bfloat16> ? as_bf16 : decode<T>(feed);
     double kl_vs_float = 0.0;
     for (const bool bf16 : {false, true}) {
-      if (std::is_same_v<T, Eigen::bfloat16> && bf16) continue;
+      if (std::is_same_v<T, kvcache::bfloat16> && bf16) continue;
       const qwen3::Drift d = qwen3::drift((bf16 ? as_bf16 : as_float).logits, got.logits);
       const std::string what = name + " on " + shape_.name + ", " + qwen3::feed_name(feed) +
                                (bf16 ? ", against bfloat16" : ", against float");
@@ -167,13 +171,10 @@ TEST_P(ErrorBudget, EveryFormatStaysWithinItsBudgetInBothFeedsAgainstFloatAndBfl
   std::map<std::string, std::map<Feed, double>> kl;
   for (const Feed feed : {Feed::prompt_then_decode, Feed::token_by_token}) {
     const qwen3::Decode as_float = decode<float>(feed);
-    const qwen3::Decode as_bf16 = decode<Eigen::bfloat16>(feed);
-    kl["bfloat16"][feed] = check<Eigen::bfloat16>(feed, as_float, as_bf16);
-    kl["fp8_e4m3"][feed] = check<kvcache::fp8_e4m3>(feed, as_float, as_bf16);
-    kl["fp8_e4m3_heads"][feed] = check<kvcache::fp8_e4m3_heads>(feed, as_float, as_bf16);
-    kl["int8_rows"][feed] = check<kvcache::int8_rows>(feed, as_float, as_bf16);
-    kl["int4_groups"][feed] = check<kvcache::int4_groups>(feed, as_float, as_bf16);
-    kl["int4_rotated"][feed] = check<kvcache::int4_rotated>(feed, as_float, as_bf16);
+    const qwen3::Decode as_bf16 = decode<kvcache::bfloat16>(feed);
+    kvcache::for_each_format([&]<class T>() {
+      if constexpr (rounds_values<T>) kl[kvcache::format_name<T>()][feed] = check<T>(feed, as_float, as_bf16);
+    });
   }
   for (const Feed feed : {Feed::prompt_then_decode, Feed::token_by_token}) {
     const auto at = [&](const char* format) { return kl.at(format).at(feed); };
