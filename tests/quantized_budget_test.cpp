@@ -26,6 +26,7 @@
 #include "kvcache/quantized.hpp"
 #include "qwen3/error_budget.hpp"
 #include "qwen3/model.hpp"
+#include "support/tolerances.hpp"
 
 // ---- planted mistakes: fp8_e4m3's codec with one thing wrong -------------------------------
 
@@ -61,45 +62,22 @@ struct kvcache::storage_codec<planted::fp8_scale_doubled> : kvcache::storage_cod
 
 namespace {
 
+using kvcache::testing::Budget;
+using kvcache::testing::kMeasuredBudgets;
 using qwen3::Feed;
 
 constexpr std::size_t kPrompt = 64;
 constexpr std::size_t kSteps = 1000;
 
-/// What a format may drift from the float and the bfloat16 caches on one shape, in either feed.
-struct Budget {
-  double max_abs;  // largest |dlogit|
-  double mean_kl;  // mean KL divergence, nats
-  double top1;     // least top-1 agreement
-};
-
-/// The measured worst over both feeds and both references (bfloat16: against float alone):
-/// largest |dlogit|, mean KL and top-1, by "format/shape".
-const std::map<std::string, Budget>& measured() {
-  static const std::map<std::string, Budget> table = {
-      {"bfloat16/tiny", {0.0307, 5.30e-6, 0.997}},       {"fp8_e4m3/tiny", {0.276, 9.55e-4, 0.931}},
-      {"fp8_e4m3_heads/tiny", {0.336, 1.69e-3, 0.922}},  {"int8_rows/tiny", {0.0767, 6.03e-5, 0.984}},
-      {"int4_groups/tiny", {0.920, 8.95e-3, 0.781}},     {"int4_rotated/tiny", {0.756, 6.91e-3, 0.825}},
-      {"bfloat16/d48", {0.0165, 3.69e-6, 0.993}},        {"fp8_e4m3/d48", {0.229, 8.10e-4, 0.933}},
-      {"fp8_e4m3_heads/d48", {0.271, 1.18e-3, 0.926}},   {"int8_rows/d48", {0.0593, 4.50e-5, 0.980}},
-      {"int4_groups/d48", {0.762, 7.66e-3, 0.820}},      {"int4_rotated/d48", {0.534, 4.84e-3, 0.843}},
-      {"bfloat16/qwen3", {0.0195, 4.17e-6, 0.993}},      {"fp8_e4m3/qwen3", {0.255, 1.11e-3, 0.916}},
-      {"fp8_e4m3_heads/qwen3", {0.262, 1.14e-3, 0.924}}, {"int8_rows/qwen3", {0.0718, 6.57e-5, 0.980}},
-      {"int4_groups/qwen3", {0.797, 9.78e-3, 0.784}},    {"int4_rotated/qwen3", {0.671, 6.47e-3, 0.830}},
-      {"half/tiny", {0.0304, 5.36e-6, 0.997}},           {"half/d48", {0.0167, 3.74e-6, 0.993}},
-      {"half/qwen3", {0.0192, 4.26e-6, 0.993}},
-  };
-  return table;
-}
-
 /// A format's budget: its measurement with headroom for another compiler or vector width (1.5x
 /// the |dlogit| and KL; top-1 1.5x the disagreement and half a point lower), tight enough that
 /// the planted mistakes below break fp8's.
 Budget budget(const std::string& format, const std::string& shape) {
-  const auto row = measured().find(format + "/" + shape);
-  if (row == measured().end()) {
-    ADD_FAILURE() << "no budget for " << format << " on " << shape
-                  << ": measure it (the [ budget ] lines) and add its row to measured()";
+  const auto row = kMeasuredBudgets.find(format + "/" + shape);
+  if (row == kMeasuredBudgets.end()) {
+    ADD_FAILURE()
+        << "no budget for " << format << " on " << shape
+        << ": measure it (the [ budget ] lines) and add its row to kMeasuredBudgets (tests/support/tolerances.hpp)";
     return {0.0, 0.0, 1.0};
   }
   const Budget m = row->second;
