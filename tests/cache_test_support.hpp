@@ -84,15 +84,30 @@ template <class T>
 struct runs_sanitized
     : std::bool_constant<own_code_path<T>::value && !std::is_same_v<T, fp8_e4m3> && !std::is_same_v<T, int4_rotated>> {
 };
+template <class T>
+struct runs_unsanitized_only : std::bool_constant<!runs_sanitized<T>::value> {};
 #if defined(KVCACHE_TESTS_SANITIZED)
 using variant_formats = filter<runs_sanitized, formats>;
+using kv_cache_only_formats = filter<runs_unsanitized_only, formats>;
 #else
 using variant_formats = formats;
+using kv_cache_only_formats = type_list<>;
 #endif
 
+/// Cache variants, each a template over its storage format.
+template <template <class> class... Variants>
+struct variant_list {
+  /// Each variant over each format of Formats, variant by variant.
+  template <class Formats>
+  using over = every<Formats, Variants...>;
+};
+
+/// Every cache variant, listed once: the typed suites over variants (protocol, differential,
+/// the quantized formats' refusals) take them from here, so a new variant joins all of them.
+using cache_variants = variant_list<KvCache, ConcatKvCache, RingKvCache, SlotKvCache, PooledSequence>;
+
 /// Every variant over every storage format: the protocol's typed suites run over all of them.
-using AllCaches = gtest_types<concat<formats::transform<KvCache>,
-                                     every<variant_formats, ConcatKvCache, RingKvCache, SlotKvCache, PooledSequence>>>;
+using AllCaches = gtest_types<concat<cache_variants::over<variant_formats>, kv_cache_only_formats::transform<KvCache>>>;
 
 /// What the suites feed a cache storing T: T itself where it is a compute type, else float.
 template <class T>

@@ -361,8 +361,7 @@ TEST(Int4Rotated, AnOutsizedChannelCostsItsNeighboursLessThanInGroupsOfTheirOwn)
 
 template <class Cache>
 class QuantizedCaches : public ::testing::Test {};
-using QuantizedCacheTypes =
-    gtest_types<every<quantized_formats, KvCache, ConcatKvCache, RingKvCache, SlotKvCache, PooledSequence>>;
+using QuantizedCacheTypes = gtest_types<cache_variants::over<quantized_formats>>;
 TYPED_TEST_SUITE(QuantizedCaches, QuantizedCacheTypes, CacheName);
 
 TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTheCacheUnchanged) {
