@@ -172,7 +172,7 @@ void feed(Cache& cache, std::size_t tokens, std::uint64_t seed, float gain = 1.0
     Block<In> k({rows, cache.kv_heads(), tokens, cache.head_dim()}, seed + 2 * l, gain);
     Block<In> v({rows, cache.kv_heads(), tokens, cache.head_dim()}, seed + 2 * l + 1, gain);
     if constexpr (slot) {
-      cache.update(l, k.view(), v.view(), arange(cache.length(row, l), tokens), Rows(row));
+      cache.update(l, k.view(), v.view(), arange(cache.row_length(row, l), tokens), Rows(row));
     } else {
       cache.update(l, k.view(), v.view(), arange(cache.length(l), tokens));
     }
@@ -311,7 +311,7 @@ Snapshot snapshot(Cache& cache) {
     for (std::size_t row = 0; row < cache.slots(); ++row) s.acquired.push_back(cache.acquired(row));
     for (std::size_t l = 0; l < cache.layers(); ++l) {
       for (std::size_t row = 0; row < cache.slots(); ++row) {
-        s.lengths.push_back(cache.length(row, l));
+        s.lengths.push_back(cache.row_length(row, l));
         s.histories.push_back(flatten(cache.history(l, Rows(row))));
       }
     }
@@ -324,8 +324,8 @@ Snapshot snapshot(Cache& cache) {
   if constexpr (requires { cache.block_table(); }) s.blocks = cache.block_table().size();
   s.bytes = cache.bytes();
   s.clipped = cache.clipped();
-  s.key_scales = cache.head_scales(false);
-  s.value_scales = cache.head_scales(true);
+  s.key_scales = cache.key_head_scales();
+  s.value_scales = cache.value_head_scales();
   return s;
 }
 

@@ -52,13 +52,13 @@ template <class Cache>
 inline constexpr std::size_t batch_of = is_paged<Cache> ? 1 : 2;
 
 /// Tokens `layer` holds: every row's, for the caches whose rows advance together; the longest
-/// row's, for a slot cache (whose length(n) is a row's).
+/// row's, for a slot cache (whose rows each have their own: row_length(row, layer)).
 template <class Cache>
 std::size_t layer_length(const Cache& cache, std::size_t layer) {
   if constexpr (is_slot<Cache>) {
     std::size_t longest = 0;
     for (std::size_t row = 0; row < std::max<std::size_t>(cache.slots(), 1); ++row)
-      longest = std::max(longest, cache.length(row, layer));
+      longest = std::max(longest, cache.row_length(row, layer));
     return longest;
   } else {
     return cache.length(layer);

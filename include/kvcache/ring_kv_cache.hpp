@@ -39,7 +39,9 @@ inline namespace KVCACHE_ABI {
 ///   auto history = cache.update(layer, k, v, positions);  // up to 4 segments
 ///   kvcache::causal_attention(q, positions, history, out);
 template <class T>
-class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<RingKvCache<T>, T> {
+class RingKvCache : public detail::LayerLengths,
+                    public detail::HeadScales,
+                    public detail::ComputeTypeUpdates<RingKvCache<T>, T> {
   static_assert(detail::check_codec<T>(), "RingKvCache<T>: T must be a storage format (a type with a storage_codec).");
 
  public:
@@ -48,7 +50,8 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   /// Allocates the ring; throws std::invalid_argument for a zero size or a zero window,
   /// std::length_error for sinks + window + slack slots whose bytes overflow std::size_t.
   explicit RingKvCache(const KvCacheConfig& config)
-      : CacheBase("RingKvCache", detail::check_config("RingKvCache", config)),
+      : LayerLengths("RingKvCache", detail::check_config("RingKvCache", config)),
+        HeadScales(layers()),
         window_(config.window),
         sinks_(config.sinks),
         ring_(config.window + config.slack),
@@ -61,7 +64,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
                               std::to_string(config.slack));
     }
     detail::check_footprint("RingKvCache", geometry(), slots(), sizeof(typename storage_codec<T>::unit));
-    init_scales<T>(config);
+    init_scales<T>(name(), geometry(), config);
     layers_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) {
       layers_.push_back(Layer{Rows(batch(), kv_heads(), head_dim(), slots()), std::vector<std::int64_t>(slots(), -1)});
@@ -286,7 +289,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t length = check_update(layer, k, v, positions, capacity_);
-    check_values<T>(layer, k, v);
+    check_values<T>(name(), layer, k, v);
     Layer& state = layers_[layer];
     const std::size_t tokens = k.tokens();
     // Writing position p overwrites p - ring: safe while that is older than the chunk's first

@@ -593,7 +593,7 @@ struct StateHead {
   KvCacheConfig config;
 };
 
-/// What BASE holds: CacheBase's state.
+/// What BASE holds: the layer lengths, head scales and clipped counts.
 struct StateBase {
   std::vector<std::size_t> lengths;
   std::vector<std::size_t> clipped;  // per layer
@@ -704,7 +704,7 @@ inline StateInfo read_state_info(const std::filesystem::path& path) {
 
 namespace detail {
 
-/// Reads and restores the private state of CacheBase and of every variant that joins state
+/// Reads and restores the private state of the shared pieces and of every variant that joins state
 /// files. A variant joins with three private members and `friend struct detail::StateAccess;`:
 ///
 ///   KvCacheConfig state_config() const;        // the counts it was built with
@@ -726,7 +726,7 @@ struct StateAccess {
   template <class Cache>
   static StateHead head(const Cache& cache) {
     using T = typename Cache::value_type;
-    const CacheBase& base = cache;
+    const CacheGeometry& base = cache;
     return {std::string(base.name_),
             format_name<T>(),
             sizeof(typename storage_codec<T>::unit),
@@ -739,7 +739,7 @@ struct StateAccess {
 
   /// Where a cache's head scales and clipped counts live: a paged sequence's, in its pool.
   template <class Cache>
-  static const CacheBase& scale_owner(const Cache& cache) {
+  static const HeadScales& scale_owner(const Cache& cache) {
     if constexpr (requires { cache.state_scale_owner(); }) {
       return cache.state_scale_owner();
     } else {
@@ -749,10 +749,9 @@ struct StateAccess {
 
   template <class Cache>
   static void save_base(const Cache& cache, StateWriter& out) {
-    const CacheBase& own = cache;
-    const CacheBase& scales = scale_owner(cache);
+    const HeadScales& scales = scale_owner(cache);
     out.section("BASE", kWholeCache, [&](PayloadWriter& p) {
-      for (const std::size_t n : own.lengths_) p.u64(n);
+      for (const std::size_t n : layer_lengths(cache)) p.u64(n);
       for (const std::size_t n : scales.clipped_) p.u64(n);
       p.u8(scales.scales_.empty() ? 0 : 1);  // head scales are given in the config
       for (const auto& l : scales.scales_) p.f32s(l.keys);
@@ -760,17 +759,31 @@ struct StateAccess {
     });
   }
 
-  /// CacheBase's state as the cache will hold it, allocated before anything changes.
+  /// The tokens of each layer: 0 for a cache whose rows each have their own (SlotKvCache's
+  /// section holds them).
+  template <class Cache>
+  static std::vector<std::size_t> layer_lengths(const Cache& cache) {
+    if constexpr (std::is_base_of_v<LayerLengths, Cache>) {
+      return static_cast<const LayerLengths&>(cache).lengths_;
+    } else {
+      return std::vector<std::size_t>(cache.layers(), 0);
+    }
+  }
+
+  /// BASE's state as the cache will hold it, allocated before anything changes.
   struct LoadedBase {
     std::vector<std::size_t> lengths;
-    std::vector<CacheBase::LayerScales> scales;
+    std::vector<HeadScales::LayerScales> scales;
     std::vector<std::size_t> clipped;
   };
   /// Takes BASE's lengths, clipped counts and head scales (the file's rows were encoded with
   /// them); a head scale of 0, which a file of an earlier version keeps for a head no update
   /// had set, leaves the cache's own.
-  static LoadedBase load_base(const CacheBase& cache, StateBase& base) {
-    LoadedBase loaded{std::move(base.lengths), cache.scales_, std::move(base.clipped)};
+  /// A paged sequence's scales and clipped counts stay its pool's.
+  template <class Cache>
+  static LoadedBase load_base(const Cache& cache, StateBase& base) {
+    LoadedBase loaded{std::move(base.lengths), {}, std::move(base.clipped)};
+    if constexpr (std::is_base_of_v<HeadScales, Cache>) loaded.scales = static_cast<const HeadScales&>(cache).scales_;
     const std::size_t heads = cache.kv_heads();
     for (std::size_t l = 0; l < loaded.scales.size(); ++l) {
       for (std::size_t h = 0; h < heads; ++h) {
@@ -781,13 +794,24 @@ struct StateAccess {
     }
     return loaded;
   }
-  static void commit_base(CacheBase& cache, LoadedBase&& loaded) noexcept {
-    cache.lengths_ = std::move(loaded.lengths);
-    cache.scales_ = std::move(loaded.scales);
-    cache.clipped_ = std::move(loaded.clipped);
+  template <class Cache>
+  static void commit_base(Cache& cache, LoadedBase&& loaded) noexcept {
+    if constexpr (std::is_base_of_v<LayerLengths, Cache>)
+      static_cast<LayerLengths&>(cache).lengths_ = std::move(loaded.lengths);
+    if constexpr (std::is_base_of_v<HeadScales, Cache>) {
+      static_cast<HeadScales&>(cache).scales_ = std::move(loaded.scales);
+      static_cast<HeadScales&>(cache).clipped_ = std::move(loaded.clipped);
+    }
   }
-  [[nodiscard]] static bool holds_tokens(const CacheBase& cache) noexcept {
-    return std::any_of(cache.lengths_.begin(), cache.lengths_.end(), [](std::size_t n) { return n != 0; });
+  /// Whether a layer holds tokens (a SlotKvCache's section checks its rows itself).
+  template <class Cache>
+  [[nodiscard]] static bool holds_tokens(const Cache& cache) noexcept {
+    if constexpr (std::is_base_of_v<LayerLengths, Cache>) {
+      const auto& lengths = static_cast<const LayerLengths&>(cache).lengths_;
+      return std::any_of(lengths.begin(), lengths.end(), [](std::size_t n) { return n != 0; });
+    } else {
+      return false;
+    }
   }
   template <class Cache>
   static void save_sections(const Cache& cache, StateWriter& out) {
