@@ -272,7 +272,7 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
   };
   std::set<std::pair<std::size_t, std::int64_t>> seen;  // (batch row, position)
   for (const Segment<T>& s : history.segments) {
-    require(s.keys.shape() == s.values.shape() && s.keys.tokens() == s.positions.size(), "a segment's shapes");
+    require(s.keys.shape() == s.values.shape() && s.keys.tokens() == s.positions.tokens(), "a segment's shapes");
     for (std::size_t b = 0; b < s.batch(); ++b) {
       const std::size_t stored = s.stored_row(b);
       const std::span<const std::int64_t> positions = s.positions.row(stored);  // a slot's own, with a window

@@ -188,7 +188,7 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
   std::map<std::int64_t, Row> rows;
   for (const Segment<T>& s : history.segments) {
     EXPECT_EQ(s.keys.shape(), s.values.shape());
-    EXPECT_EQ(s.keys.tokens(), s.positions.size());
+    EXPECT_EQ(s.keys.tokens(), s.positions.tokens());
     for (std::size_t j = 0; j < s.tokens(); ++j) {
       Row row;
       for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {

@@ -75,7 +75,7 @@ class ConcatKvCache : public detail::LayerLengths,
     std::vector<std::pair<std::size_t, Layer>> shrunk;
     for (std::size_t l = 0; l < layers(); ++l) {
       const std::size_t held = length(l);
-      if (layers_[l].rows.slots() == held) continue;
+      if (layers_[l].rows.tokens() == held) continue;
       Layer fitted;
       if (held != 0) {
         fitted.rows = detail::RowStore<T>(batch(), kv_heads(), head_dim(), held, kPlain);

@@ -343,14 +343,14 @@ class BlockPool : private detail::CacheGeometry, private detail::HeadScales {
   void record_ids(std::size_t b, std::size_t first, std::size_t rows, std::span<const TokenId> known) {
     std::vector<TokenId>& recorded = meta_[b].ids;
     for (std::size_t i = 0; i < rows; ++i) {
-      const std::size_t slot = first + i;
-      if (slot > recorded.size()) return;  // an earlier row has no id
+      const std::size_t at = first + i;
+      if (at > recorded.size()) return;  // an earlier row has no id
       if (i >= known.size()) {
-        recorded.resize(slot);
+        recorded.resize(at);
         return;
       }
-      if (slot < recorded.size() && recorded[slot] == known[i]) continue;  // another layer's write
-      recorded.resize(slot);  // rows past a rewritten one are stale until written again
+      if (at < recorded.size() && recorded[at] == known[i]) continue;  // another layer's write
+      recorded.resize(at);  // rows past a rewritten one are stale until written again
       recorded.push_back(known[i]);
     }
   }
@@ -564,10 +564,10 @@ class PagedKvCache : public detail::LayerLengths, public detail::ComputeTypeUpda
             const std::size_t j = matched;
             const BlockKey parent = j == 0 ? BlockKey{} : keys[j - 1];
             const auto ids = prompt.subspan(j * b, b);
-            const std::size_t slot = pool_->free_.front() * b;  // the block take_free() takes below
+            const std::size_t first = pool_->free_.front() * b;  // the block take_free() takes below
             std::vector<std::string_view> layers;
             try {
-              layers = detail::verify_block<T>(records[i], space, keys[j], parent, ids, pool_->rows_, slot, b);
+              layers = detail::verify_block<T>(records[i], space, keys[j], parent, ids, pool_->rows_, first, b);
             } catch (const std::runtime_error& e) {
               bad = j;
               throw BlockStoreError("block " + std::to_string(j) + " of the prompt (key " + keys[j].hex() +

@@ -12,7 +12,7 @@
 // length, its bytes and their CRC-32C. HEAD says which variant, storage format, shape and config
 // wrote it; META is the caller's metadata string; BASE the tokens of each layer (and the head
 // scales of formats that keep them); then each variant's own sections (the rows of every layer,
-// a ring's slot positions and staged chunk, a slot cache's slots, a paged sequence's token ids).
+// a ring's row positions and staged chunk, a slot cache's slots, a paged sequence's token ids).
 // A PagedKvCache saves one sequence, not its pool, and loads into an empty sequence of a pool of
 // the same geometry, taking fresh blocks. docs/state.md describes every field, what a load
 // checks, and how a new variant joins.
@@ -60,7 +60,6 @@ inline namespace KVCACHE_ABI {
 
 /// What a state file says of itself, read by read_state_info() without its data.
 struct StateInfo {
-  std::uint32_t version = 0;
   std::string variant;  // the cache's name: "KvCache", "RingKvCache", "SlotKvCache", "PagedKvCache", ...
   std::string format;   // the storage format's name: "float", "bfloat16", "fp8_e4m3", ... (a file written
                         // while fp8_e4m3 kept a scale per head says "fp8_e4m3_heads": it loads there)
@@ -201,7 +200,6 @@ class PayloadReader {
   void require(bool ok, const char* field, const std::string& expected, const std::string& found) const {
     if (!ok) throw std::runtime_error(file_error(where(field), expected, found));
   }
-  [[nodiscard]] const std::string& name() const noexcept { return name_; }
   /// The payload's bytes, read or not.
   [[nodiscard]] std::size_t size() const noexcept { return bytes_.size(); }
   /// "section RING[3]: stored_end" for messages.
@@ -239,44 +237,39 @@ class PayloadReader {
   std::size_t at_ = 0;
 };
 
-/// Appends to `runs` the stored bytes of slots [slot, slot + count) of stored row `row` (or of
-/// every row), joined where they abut.
+/// Appends to `runs` the stored bytes of tokens [first, first + count) of every stored row,
+/// joined where they abut.
 template <class Byte, class Store>
-void append_runs(std::vector<std::span<Byte>>& runs, Store& rows, std::size_t slot, std::size_t count,
-                 std::size_t row) {
-  std::remove_const_t<Store>::for_each_run(
-      rows, slot, count,
-      [&](auto* data, std::size_t n) {
-        auto* bytes = reinterpret_cast<Byte*>(data);
-        if (!runs.empty() && runs.back().data() + runs.back().size() == bytes) {
-          runs.back() = {runs.back().data(), runs.back().size() + n};
-        } else {
-          runs.emplace_back(bytes, n);
-        }
-      },
-      row);
+void append_runs(std::vector<std::span<Byte>>& runs, Store& rows, std::size_t first, std::size_t count) {
+  std::remove_const_t<Store>::for_each_run(rows, first, count, [&](auto* data, std::size_t n) {
+    auto* bytes = reinterpret_cast<Byte*>(data);
+    if (!runs.empty() && runs.back().data() + runs.back().size() == bytes) {
+      runs.back() = {runs.back().data(), runs.back().size() + n};
+    } else {
+      runs.emplace_back(bytes, n);
+    }
+  });
 }
 
-/// The stored bytes of slots [slot, slot + count) of `rows` (a RowStore, const or not) as runs
-/// of bytes, those that abut in memory joined: a layer whose slots are all held is one run of
+/// The stored bytes of tokens [first, first + count) of `rows` (a RowStore, const or not) as runs
+/// of bytes, those that abut in memory joined: a layer whose tokens are all held is one run of
 /// keys and one of values, read or written by one call each.
 template <class Byte, class Store>
-std::vector<std::span<Byte>> joined_runs(Store& rows, std::size_t slot, std::size_t count) {
+std::vector<std::span<Byte>> joined_runs(Store& rows, std::size_t first, std::size_t count) {
   std::vector<std::span<Byte>> runs;
-  append_runs(runs, rows, slot, count, std::remove_const_t<Store>::kEveryRow);
+  append_runs(runs, rows, first, count);
   return runs;
 }
 
 /// The stored bytes of a paged sequence's first `tokens` tokens: `block_tokens` a block, block
-/// j in slots [blocks[j] x block_tokens, ...) of `rows`, each block's runs as joined_runs gives
+/// j at tokens [blocks[j] x block_tokens, ...) of `rows`, each block's runs as joined_runs gives
 /// them, in order.
 template <class Byte, class Store>
 std::vector<std::span<Byte>> block_runs(Store& rows, std::span<const std::size_t> blocks, std::size_t block_tokens,
                                         std::size_t tokens) {
   std::vector<std::span<Byte>> runs;
   for (std::size_t j = 0; j * block_tokens < tokens; ++j) {
-    append_runs(runs, rows, blocks[j] * block_tokens, std::min(block_tokens, tokens - j * block_tokens),
-                std::remove_const_t<Store>::kEveryRow);
+    append_runs(runs, rows, blocks[j] * block_tokens, std::min(block_tokens, tokens - j * block_tokens));
   }
   return runs;
 }
@@ -309,11 +302,11 @@ class StateWriter {
     section(tag, kWholeCache, fill);
   }
 
-  /// A data section: the stored bytes of slots [slot, slot + count) of `rows`, written from
+  /// A data section: the stored bytes of tokens [first, first + count) of `rows`, written from
   /// the cache's storage itself.
   template <class T>
-  void rows(std::string_view tag, std::size_t index, const RowStore<T>& rows, std::size_t slot, std::size_t count) {
-    write_runs(tag, index, joined_runs<const char>(rows, slot, count));
+  void rows(std::string_view tag, std::size_t index, const RowStore<T>& rows, std::size_t first, std::size_t count) {
+    write_runs(tag, index, joined_runs<const char>(rows, first, count));
   }
   /// A data section: a paged sequence's first `tokens` tokens, in `block_tokens`-token blocks
   /// held in the stored rows `blocks` of `rows`.
@@ -375,9 +368,7 @@ class StateReader {
       throw std::runtime_error(
           file_error("version", std::to_string(kStateVersion) + " (what this kvcache reads)", std::to_string(version)));
     }
-    version_ = version;
   }
-  [[nodiscard]] std::uint32_t version() const noexcept { return version_; }
 
   /// A small section of at most `max_bytes`, its checksum verified.
   PayloadReader section(std::string_view tag, std::size_t index, std::size_t max_bytes) {
@@ -403,11 +394,11 @@ class StateReader {
   /// A small section of the whole cache.
   PayloadReader section(std::string_view tag, std::size_t max_bytes) { return section(tag, kWholeCache, max_bytes); }
 
-  /// A data section holding the stored bytes of slots [slot, slot + count) of `rows`, read
+  /// A data section holding the stored bytes of tokens [first, first + count) of `rows`, read
   /// into them as the data mode says.
   template <class T>
-  void rows(std::string_view tag, std::size_t index, RowStore<T>& rows, std::size_t slot, std::size_t count) {
-    read_runs_into(tag, index, joined_runs<char>(rows, slot, count));
+  void rows(std::string_view tag, std::size_t index, RowStore<T>& rows, std::size_t first, std::size_t count) {
+    read_runs_into(tag, index, joined_runs<char>(rows, first, count));
   }
   /// A data section holding a paged sequence's first `tokens` tokens, read into the stored rows
   /// `blocks` of `rows`, `block_tokens` a block, as the data mode says.
@@ -573,7 +564,6 @@ class StateReader {
 
   std::istream& in_;
   std::uint64_t offset_ = 0;  // bytes read so far, for messages
-  std::uint32_t version_ = 0;
   Data data_ = Data::direct;
   std::span<const std::size_t> lengths_;
   std::span<const float> key_scales_, value_scales_;
@@ -682,7 +672,6 @@ inline StateInfo read_state_info(std::istream& in) {
   detail::StateReader reader(in);
   reader.begin();
   StateInfo info;
-  info.version = reader.version();
   detail::StateHead head = detail::read_head(reader);
   info.variant = std::move(head.variant);
   info.format = std::move(head.format);
@@ -712,7 +701,7 @@ namespace detail {
 ///   template <class In> auto load_sections(In& in);            // reads them back: returns a
 ///                                                              // noexcept callable that commits
 ///
-/// save_sections writes with out.section(tag, layer, fill) and out.rows(tag, layer, rows, slot,
+/// save_sections writes with out.section(tag, layer, fill) and out.rows(tag, layer, rows, first,
 /// count); load_sections reads the same sections in the same order with in.section(tag, layer,
 /// max_bytes) and in.rows(...), checks what it reads, allocates what it needs, and changes
 /// nothing in the cache until the callable it returns is called. in.lengths() are the tokens of
