@@ -271,7 +271,7 @@ class Format {
   using Unit = typename Codec::unit;
   using In = std::conditional_t<compute_type<T>, T, float>;
   static constexpr bool kHeadScales = detail::has_head_scales<T>;
-  static constexpr bool kRowScales = Codec::row_scales && !kHeadScales;
+  static constexpr bool kRowScales = detail::has_row_scales<T>;
   static constexpr bool kChecksInput = detail::checks_input<T>;
 
   Format(const Setup& s, std::size_t layers) : heads_(s.kv_heads), dim_(s.head_dim), units_(Codec::units(s.head_dim)) {
@@ -359,7 +359,7 @@ class Format {
     std::vector<float> x(dim_);
     for (std::size_t d = 0; d < dim_; ++d) {
       x[d] = static_cast<float>(Codec::value(row, d));
-      if constexpr (Codec::row_scales) x[d] *= scale_of(e, layer, h, values);
+      if constexpr (detail::reads_scales<Codec>) x[d] *= scale_of(e, layer, h, values);
     }
     if constexpr (detail::is_rotated<T>) Codec::unrotate(x.data(), dim_);
     return {x.begin(), x.end()};
@@ -402,7 +402,7 @@ class Format {
             CACHE_FUZZ_REQUIRE(std::memcmp(view.row(stored, h, j), expected, units_ * sizeof(Unit)) == 0,
                                where() + (values ? "values" : "keys") + " of position " + str(at) + " head " + str(h) +
                                    " differ from what was written");
-            if constexpr (Codec::row_scales) {
+            if constexpr (detail::reads_scales<Codec>) {
               const RowScales& scales = values ? seg.value_scales : seg.key_scales;
               CACHE_FUZZ_REQUIRE(!scales.empty(), where() + "no scales");
               const float got = *scales.at(stored, h, j);

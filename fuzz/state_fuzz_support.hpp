@@ -283,7 +283,7 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
         for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {
           for (std::size_t h = 0; h < view->heads(); ++h) {
             append(row, view->row(stored, h, j), view->head_dim() * sizeof(Unit));
-            if constexpr (storage_codec<T>::row_scales) append(row, scales->at(stored, h, j), sizeof(float));
+            if constexpr (detail::reads_scales<storage_codec<T>>) append(row, scales->at(stored, h, j), sizeof(float));
           }
         }
       }

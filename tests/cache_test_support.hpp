@@ -197,7 +197,8 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
           const std::size_t stored = s.stored_row(b);
           for (std::size_t h = 0; h < view->heads(); ++h) {
             append_bytes(row, view->row(stored, h, j), view->head_dim() * sizeof(Unit));
-            if constexpr (storage_codec<T>::row_scales) append_bytes(row, scales->at(stored, h, j), sizeof(float));
+            if constexpr (detail::reads_scales<storage_codec<T>>)
+              append_bytes(row, scales->at(stored, h, j), sizeof(float));
           }
         }
       }
@@ -222,7 +223,8 @@ std::map<std::int64_t, Row> flatten_row(const History<T>& history, std::size_t b
       for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {
         for (std::size_t h = 0; h < view->heads(); ++h) {
           append_bytes(row, view->row(stored, h, j), view->head_dim() * sizeof(Unit));
-          if constexpr (storage_codec<T>::row_scales) append_bytes(row, scales->at(stored, h, j), sizeof(float));
+          if constexpr (detail::reads_scales<storage_codec<T>>)
+            append_bytes(row, scales->at(stored, h, j), sizeof(float));
         }
       }
       const std::int64_t position = s.positions.row(stored)[j];
@@ -249,7 +251,7 @@ Row row_of(const TensorView<const In>& k, const TensorView<const In>& v, std::si
           scale = Codec::encode(view->row(b, h, t), units.data(), view->head_dim());
         }
         append_bytes(row, units.data(), units.size() * sizeof(units[0]));
-        if constexpr (Codec::row_scales) append_bytes(row, &scale, sizeof(float));
+        if constexpr (detail::reads_scales<Codec>) append_bytes(row, &scale, sizeof(float));
       }
     }
   }

@@ -537,7 +537,7 @@ std::vector<float> decoded(const TensorView<const typename storage_codec<T>::uni
   std::vector<float> out;
   for (std::size_t h = 0; h < rows.heads(); ++h) {
     for (std::size_t t = 0; t < rows.tokens(); ++t) {
-      const float scale = storage_codec<T>::row_scales ? *scales.at(0, h, t) : 1.0F;
+      const float scale = detail::reads_scales<storage_codec<T>> ? *scales.at(0, h, t) : 1.0F;
       for (std::size_t d = 0; d < dim; ++d) out.push_back(storage_codec<T>::value(rows.row(0, h, t), d) * scale);
       if constexpr (detail::is_rotated<T>) storage_codec<T>::unrotate(out.data() + out.size() - dim, dim);
     }

@@ -720,7 +720,7 @@ struct StateAccess {
             format_name<T>(),
             sizeof(typename storage_codec<T>::unit),
             storage_codec<T>::units(base.head_dim()),
-            storage_codec<T>::row_scales && !has_head_scales<T>,
+            has_row_scales<T>,
             has_head_scales<T>,
             false,
             cache.state_config()};

@@ -59,7 +59,7 @@ BlockSpace block_space(std::string_view model, std::size_t block_tokens, std::si
   p.str(format_name<T>());
   p.u64(sizeof(typename storage_codec<T>::unit));
   p.u64(storage_codec<T>::units(head_dim));
-  p.u8(storage_codec<T>::row_scales && !has_head_scales<T>);
+  p.u8(has_row_scales<T>);
   p.u8(has_head_scales<T>);
   for (const std::size_t n : {block_tokens, layers, kv_heads, head_dim, std::size_t{kBlockRecordVersion}}) p.u64(n);
   p.f32s(key_scales);

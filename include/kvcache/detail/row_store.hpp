@@ -180,7 +180,7 @@ class RowStore {
   }
 
  private:
-  static constexpr bool kRowScales = Codec::row_scales && !has_head_scales<T>;  // kept here, a scale a row
+  static constexpr bool kRowScales = has_row_scales<T>;  // kept here, a scale a row
 
   [[nodiscard]] std::size_t index(std::size_t b, std::size_t h, std::size_t t) const noexcept {
     return (b * heads_ + h) * tokens_ + t;
