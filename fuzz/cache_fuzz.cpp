@@ -271,7 +271,7 @@ class Format {
   using Unit = typename Codec::unit;
   using In = std::conditional_t<compute_type<T>, T, float>;
   static constexpr bool kHeadScales = detail::has_head_scales<T>;
-  static constexpr bool kRowScales = Codec::row_scales && !kHeadScales;
+  static constexpr bool kRowScales = detail::has_row_scales<T>;
   static constexpr bool kChecksInput = detail::checks_input<T>;
 
   Format(const Setup& s, std::size_t layers) : heads_(s.kv_heads), dim_(s.head_dim), units_(Codec::units(s.head_dim)) {
@@ -359,7 +359,7 @@ class Format {
     std::vector<float> x(dim_);
     for (std::size_t d = 0; d < dim_; ++d) {
       x[d] = static_cast<float>(Codec::value(row, d));
-      if constexpr (Codec::row_scales) x[d] *= scale_of(e, layer, h, values);
+      if constexpr (detail::reads_scales<Codec>) x[d] *= scale_of(e, layer, h, values);
     }
     if constexpr (detail::is_rotated<T>) Codec::unrotate(x.data(), dim_);
     return {x.begin(), x.end()};
@@ -402,7 +402,7 @@ class Format {
             CACHE_FUZZ_REQUIRE(std::memcmp(view.row(stored, h, j), expected, units_ * sizeof(Unit)) == 0,
                                where() + (values ? "values" : "keys") + " of position " + str(at) + " head " + str(h) +
                                    " differ from what was written");
-            if constexpr (Codec::row_scales) {
+            if constexpr (detail::reads_scales<Codec>) {
               const RowScales& scales = values ? seg.value_scales : seg.key_scales;
               CACHE_FUZZ_REQUIRE(!scales.empty(), where() + "no scales");
               const float got = *scales.at(stored, h, j);
@@ -502,10 +502,10 @@ class Format {
     CACHE_FUZZ_REQUIRE(cache.clipped() == clipped_,
                        "clipped(): expected " + str(clipped_) + ", given " + str(cache.clipped()));
     if constexpr (kHeadScales) {
-      CACHE_FUZZ_REQUIRE(cache.head_scales(false) == keys_ && cache.head_scales(true) == values_,
-                         "head_scales() differ from the reference's");
+      CACHE_FUZZ_REQUIRE(cache.key_head_scales() == keys_ && cache.value_head_scales() == values_,
+                         "key_head_scales() or value_head_scales() differ from the reference's");
     } else {
-      CACHE_FUZZ_REQUIRE(cache.head_scales(false).empty(), "head_scales() of a format without");
+      CACHE_FUZZ_REQUIRE(cache.key_head_scales().empty(), "key_head_scales() of a format without");
     }
   }
 
@@ -1334,9 +1334,9 @@ class SlotHarness {
       expect(Expect::none, "history(layer)", [&] { every = cache_.history(layer); });
       for (std::size_t r = 0; r < s_.slots; ++r) {
         const Stream<T>& ref = ref_[layer][r];
-        CACHE_FUZZ_REQUIRE(cache_.length(r, layer) == ref.size(), "length(" + str(r) + ", " + str(layer) +
-                                                                      "): expected " + str(ref.size()) + ", given " +
-                                                                      str(cache_.length(r, layer)));
+        CACHE_FUZZ_REQUIRE(cache_.row_length(r, layer) == ref.size(),
+                           "row_length(" + str(r) + ", " + str(layer) + "): expected " + str(ref.size()) + ", given " +
+                               str(cache_.row_length(r, layer)));
         agree = agree && ref.size() == ref_[0][r].size();
         longest = std::max(longest, ref.size());
         std::vector<char> present = format_.check(every, r, layer, ref, "history(layer)");
@@ -1356,9 +1356,9 @@ class SlotHarness {
       bool row_agrees = true;
       for (std::size_t l = 1; l < s_.layers; ++l) row_agrees = row_agrees && ref_[l][r].size() == ref_[0][r].size();
       if (row_agrees) {
-        CACHE_FUZZ_REQUIRE(cache_.length(r) == ref_[0][r].size(), "length(row)");
+        CACHE_FUZZ_REQUIRE(cache_.row_length(r) == ref_[0][r].size(), "row_length(row)");
       } else {
-        expect(Expect::runtime_error, "length(row) with layers that disagree", [&] { (void)cache_.length(r); });
+        expect(Expect::runtime_error, "row_length(row) with layers that disagree", [&] { (void)cache_.row_length(r); });
       }
       CACHE_FUZZ_REQUIRE(cache_.acquired(r) == (acquired_[r] != 0), "acquired(" + str(r) + ")");
       CACHE_FUZZ_REQUIRE(acquired_[r] != 0 || ref_[0][r].empty(), "a free slot holds tokens");
@@ -1369,7 +1369,7 @@ class SlotHarness {
     } else {
       expect(Expect::runtime_error, "length() with a row whose layers disagree", [&] { (void)cache_.length(); });
     }
-    expect(Expect::out_of_range, "length(slots)", [&] { (void)cache_.length(s_.slots); });
+    expect(Expect::out_of_range, "row_length(slots)", [&] { (void)cache_.row_length(s_.slots); });
     expect(Expect::out_of_range, "acquired(slots)", [&] { (void)cache_.acquired(s_.slots); });
     expect(Expect::out_of_range, "history(layers)", [&] { (void)cache_.history(s_.layers); });
     CACHE_FUZZ_REQUIRE(

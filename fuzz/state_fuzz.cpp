@@ -128,7 +128,7 @@ void continue_updates(Cache& cache) {
       for (std::size_t row = 0; row < cache.slots(); ++row) {
         if (!cache.acquired(row)) continue;
         for (std::size_t l = 0; l < cache.layers(); ++l) {
-          if (cache.length(row, l) + tokens <= cache.capacity()) feed(cache, tokens, 7, 3.0F, l + 1, row);
+          if (cache.row_length(row, l) + tokens <= cache.capacity()) feed(cache, tokens, 7, 3.0F, l + 1, row);
         }
       }
     } else {
@@ -203,7 +203,7 @@ void run(const Config& config, std::uint8_t flags, std::string& file, const std:
     if constexpr (V == Variant::slot) {
       require(info->lengths[l] == 0, "a slot cache's file with layer lengths");
       for (std::size_t row = 0; row < cache.slots(); ++row) {
-        const std::size_t n = cache.length(row, l);
+        const std::size_t n = cache.row_length(row, l);
         require(n <= cache.capacity() && (n == 0 || cache.acquired(row)), "a loaded slot's tokens");
         const auto& h = after.histories[l * cache.slots() + row];
         require(h.size() == n && (n == 0 || (h.begin()->first == 0 && h.rbegin()->first + 1 == std::int64_t(n))),

@@ -172,7 +172,7 @@ void feed(Cache& cache, std::size_t tokens, std::uint64_t seed, float gain = 1.0
     Block<In> k({rows, cache.kv_heads(), tokens, cache.head_dim()}, seed + 2 * l, gain);
     Block<In> v({rows, cache.kv_heads(), tokens, cache.head_dim()}, seed + 2 * l + 1, gain);
     if constexpr (slot) {
-      cache.update(l, k.view(), v.view(), arange(cache.length(row, l), tokens), Rows(row));
+      cache.update(l, k.view(), v.view(), arange(cache.row_length(row, l), tokens), Rows(row));
     } else {
       cache.update(l, k.view(), v.view(), arange(cache.length(l), tokens));
     }
@@ -272,7 +272,7 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
   };
   std::set<std::pair<std::size_t, std::int64_t>> seen;  // (batch row, position)
   for (const Segment<T>& s : history.segments) {
-    require(s.keys.shape() == s.values.shape() && s.keys.tokens() == s.positions.size(), "a segment's shapes");
+    require(s.keys.shape() == s.values.shape() && s.keys.tokens() == s.positions.tokens(), "a segment's shapes");
     for (std::size_t b = 0; b < s.batch(); ++b) {
       const std::size_t stored = s.stored_row(b);
       const std::span<const std::int64_t> positions = s.positions.row(stored);  // a slot's own, with a window
@@ -283,7 +283,7 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
         for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {
           for (std::size_t h = 0; h < view->heads(); ++h) {
             append(row, view->row(stored, h, j), view->head_dim() * sizeof(Unit));
-            if constexpr (storage_codec<T>::row_scales) append(row, scales->at(stored, h, j), sizeof(float));
+            if constexpr (detail::reads_scales<storage_codec<T>>) append(row, scales->at(stored, h, j), sizeof(float));
           }
         }
       }
@@ -311,7 +311,7 @@ Snapshot snapshot(Cache& cache) {
     for (std::size_t row = 0; row < cache.slots(); ++row) s.acquired.push_back(cache.acquired(row));
     for (std::size_t l = 0; l < cache.layers(); ++l) {
       for (std::size_t row = 0; row < cache.slots(); ++row) {
-        s.lengths.push_back(cache.length(row, l));
+        s.lengths.push_back(cache.row_length(row, l));
         s.histories.push_back(flatten(cache.history(l, Rows(row))));
       }
     }
@@ -324,8 +324,8 @@ Snapshot snapshot(Cache& cache) {
   if constexpr (requires { cache.block_table(); }) s.blocks = cache.block_table().size();
   s.bytes = cache.bytes();
   s.clipped = cache.clipped();
-  s.key_scales = cache.head_scales(false);
-  s.value_scales = cache.head_scales(true);
+  s.key_scales = cache.key_head_scales();
+  s.value_scales = cache.value_head_scales();
   return s;
 }
 

@@ -52,13 +52,13 @@ template <class Cache>
 inline constexpr std::size_t batch_of = is_paged<Cache> ? 1 : 2;
 
 /// Tokens `layer` holds: every row's, for the caches whose rows advance together; the longest
-/// row's, for a slot cache (whose length(n) is a row's).
+/// row's, for a slot cache (whose rows each have their own: row_length(row, layer)).
 template <class Cache>
 std::size_t layer_length(const Cache& cache, std::size_t layer) {
   if constexpr (is_slot<Cache>) {
     std::size_t longest = 0;
     for (std::size_t row = 0; row < std::max<std::size_t>(cache.slots(), 1); ++row)
-      longest = std::max(longest, cache.length(row, layer));
+      longest = std::max(longest, cache.row_length(row, layer));
     return longest;
   } else {
     return cache.length(layer);
@@ -203,7 +203,7 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
   std::map<std::int64_t, Row> rows;
   for (const Segment<T>& s : history.segments) {
     EXPECT_EQ(s.keys.shape(), s.values.shape());
-    EXPECT_EQ(s.keys.tokens(), s.positions.size());
+    EXPECT_EQ(s.keys.tokens(), s.positions.tokens());
     for (std::size_t j = 0; j < s.tokens(); ++j) {
       Row row;
       for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {
@@ -212,7 +212,8 @@ std::map<std::int64_t, Row> flatten(const History<T>& history) {
           const std::size_t stored = s.stored_row(b);
           for (std::size_t h = 0; h < view->heads(); ++h) {
             append_bytes(row, view->row(stored, h, j), view->head_dim() * sizeof(Unit));
-            if constexpr (storage_codec<T>::row_scales) append_bytes(row, scales->at(stored, h, j), sizeof(float));
+            if constexpr (detail::reads_scales<storage_codec<T>>)
+              append_bytes(row, scales->at(stored, h, j), sizeof(float));
           }
         }
       }
@@ -237,7 +238,8 @@ std::map<std::int64_t, Row> flatten_row(const History<T>& history, std::size_t b
       for (const auto& [view, scales] : {std::pair{&s.keys, &s.key_scales}, std::pair{&s.values, &s.value_scales}}) {
         for (std::size_t h = 0; h < view->heads(); ++h) {
           append_bytes(row, view->row(stored, h, j), view->head_dim() * sizeof(Unit));
-          if constexpr (storage_codec<T>::row_scales) append_bytes(row, scales->at(stored, h, j), sizeof(float));
+          if constexpr (detail::reads_scales<storage_codec<T>>)
+            append_bytes(row, scales->at(stored, h, j), sizeof(float));
         }
       }
       const std::int64_t position = s.positions.row(stored)[j];
@@ -264,7 +266,7 @@ Row row_of(const TensorView<const In>& k, const TensorView<const In>& v, std::si
           scale = Codec::encode(view->row(b, h, t), units.data(), view->head_dim());
         }
         append_bytes(row, units.data(), units.size() * sizeof(units[0]));
-        if constexpr (Codec::row_scales) append_bytes(row, &scale, sizeof(float));
+        if constexpr (detail::reads_scales<Codec>) append_bytes(row, &scale, sizeof(float));
       }
     }
   }

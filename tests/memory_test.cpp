@@ -102,8 +102,8 @@ TEST(ShrinkToFit, SlotKvCacheGivesBackReleasedSlots) {
   const std::size_t held = resident_keys(cache, 0, 4);
   EXPECT_LE(held, all / 2 + 4 * kHeads * 4096);
   EXPECT_GE(held, all / 2 - 4 * kHeads * 4096);
-  EXPECT_EQ(cache.length(rows[0]), 1024U);
-  EXPECT_EQ(cache.length(rows[2]), 1024U);
+  EXPECT_EQ(cache.row_length(rows[0]), 1024U);
+  EXPECT_EQ(cache.row_length(rows[2]), 1024U);
   // A sequence admitted into a released slot writes its pages again.
   const std::size_t row = cache.acquire();
   const Block<float> kv({1, kHeads, 16, kDim}, 9);

@@ -220,7 +220,7 @@ TYPED_TEST(Batch, BadCallsThrowNamingTheRowAndChangeNothing) {
                       Throws::invalid_argument, {"k batch", "expected 1", "given 2"});
   unchanged();
   EXPECT_THROW((void)batch.history(0, {3}), std::out_of_range);
-  EXPECT_THROW((void)batch.length(3), std::out_of_range);
+  EXPECT_THROW((void)batch.row_length(3), std::out_of_range);
 
   // The batch itself: at least one sequence, each in this pool, none twice.
   BlockPool<T> other(this->pool_config(4));
@@ -256,7 +256,7 @@ TYPED_TEST(Batch, LengthsBytesTruncateAndResetReachEverySequence) {
   EXPECT_EQ(batch.layers(), TestFixture::layers);
   EXPECT_EQ(batch.capacity(), pool.capacity());
   EXPECT_EQ(batch.length(), 10U);
-  EXPECT_EQ(batch.length(1), 10U);
+  EXPECT_EQ(batch.row_length(1), 10U);
   // Blocks 0 and 1 are shared by all three, block 2 by the fork and its parent (the reused
   // sequence wrote its own): 4 blocks, against 9 held one sequence at a time.
   EXPECT_EQ(batch.bytes(), 4 * pool.block_bytes());

@@ -377,7 +377,7 @@ TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTh
     const auto before_history = flatten(cache.update(layer, first.view().tokens(0, 0), first.view().tokens(0, 0),
                                                      arange(layer_length(cache, layer), 0)));
     const std::size_t length = layer_length(cache, layer), bytes = cache.bytes(), clipped = cache.clipped();
-    const std::vector<float> key_scales = cache.head_scales(false), value_scales = cache.head_scales(true);
+    const std::vector<float> key_scales = cache.key_head_scales(), value_scales = cache.value_head_scales();
     bad.mutable_view()(B - 1, 1, 2, 3) = value;
     try {
       cache.update(layer, bad.view(), bad.view(), arange(length, 4));
@@ -389,8 +389,8 @@ TYPED_TEST(QuantizedCaches, NonFiniteInputIsRefusedNamingLayerHeadAndTokenWithTh
     EXPECT_EQ(layer_length(cache, layer), length);
     EXPECT_EQ(cache.bytes(), bytes);
     EXPECT_EQ(cache.clipped(), clipped);
-    EXPECT_EQ(cache.head_scales(false), key_scales);
-    EXPECT_EQ(cache.head_scales(true), value_scales);
+    EXPECT_EQ(cache.key_head_scales(), key_scales);
+    EXPECT_EQ(cache.value_head_scales(), value_scales);
     EXPECT_EQ(flatten(cache.update(layer, first.view().tokens(0, 0), first.view().tokens(0, 0), arange(length, 0))),
               before_history);
   };
@@ -422,7 +422,7 @@ TEST(Fp8Rows, NeedNoCalibrationAndNothingSaturatesWhateverTheFirstUpdateHeld) {
   cache.update(0, k.view().tokens(0, 1), v.view().tokens(0, 1), arange(0, 1));
   const auto history = cache.update(0, k.view().tokens(1, 2), v.view().tokens(1, 2), arange(1, 2));
   EXPECT_EQ(cache.clipped(), 0U);
-  EXPECT_TRUE(cache.head_scales(false).empty());
+  EXPECT_TRUE(cache.key_head_scales().empty());
   const Segment<fp8_e4m3>& s = history.segments[0];
   for (std::size_t h = 0; h < 2; ++h) {
     for (std::size_t t = 0; t < 3; ++t) {
@@ -474,10 +474,10 @@ TEST(Fp8HeadScales, TheGivenScalesEncodeEveryUpdateAndValuesBeyondThemSaturateAn
   for (std::size_t t = 0; t < 3; ++t) EXPECT_EQ(*s.key_scales.at(0, 0, t), key_scales[0]);
   for (std::size_t d = 2; d < 8; ++d)
     EXPECT_EQ(s.keys.row(0, 0, 2)[d], detail::e4m3_of(later.view()(0, 0, 0, d) * 224));
-  EXPECT_EQ(cache.head_scales(false), key_scales);  // an update never changes a scale
+  EXPECT_EQ(cache.key_head_scales(), key_scales);  // an update never changes a scale
   cache.reset();
-  EXPECT_EQ(cache.head_scales(false), key_scales);
-  EXPECT_EQ(cache.head_scales(true), value_scales);
+  EXPECT_EQ(cache.key_head_scales(), key_scales);
+  EXPECT_EQ(cache.value_head_scales(), value_scales);
   EXPECT_EQ(cache.clipped(), 1U);  // counted since construction
 }
 
@@ -536,7 +536,7 @@ std::vector<float> decoded(const TensorView<const typename storage_codec<T>::uni
   std::vector<float> out;
   for (std::size_t h = 0; h < rows.heads(); ++h) {
     for (std::size_t t = 0; t < rows.tokens(); ++t) {
-      const float scale = storage_codec<T>::row_scales ? *scales.at(0, h, t) : 1.0F;
+      const float scale = detail::reads_scales<storage_codec<T>> ? *scales.at(0, h, t) : 1.0F;
       for (std::size_t d = 0; d < dim; ++d) out.push_back(storage_codec<T>::value(rows.row(0, h, t), d) * scale);
       if constexpr (detail::is_rotated<T>) storage_codec<T>::unrotate(out.data() + out.size() - dim, dim);
     }

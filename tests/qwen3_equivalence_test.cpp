@@ -322,7 +322,7 @@ TEST(SlotBatch, EveryRowOfAMixedBatchGetsTheLogitsItsSequenceGetsAlone) {
       grown << r.logits, logits[i];
       r.logits = std::move(grown);
       r.fed += batch[i].tokens.size();
-      EXPECT_EQ(cache.length(r.row), r.fed);
+      EXPECT_EQ(cache.row_length(r.row), r.fed);
     }
   }
   EXPECT_EQ(released, std::vector<std::size_t>({requests[8].row, requests[9].row}))
@@ -356,11 +356,11 @@ TEST(SlotBatch, AFailedBatchLeavesEveryRowWhereItWas) {
   // in layer 0, so row a is rolled back through every layer it had reached.
   const std::vector<qwen3::Model::RowTokens> bad = {{b, slice(tokens, 0, 5)}, {a, slice(tokens, 5, 1)}};
   EXPECT_THROW((void)model.forward(bad, cache), std::length_error);
-  EXPECT_EQ(cache.length(a), 5U);
-  EXPECT_EQ(cache.length(b), 12U);
+  EXPECT_EQ(cache.row_length(a), 5U);
+  EXPECT_EQ(cache.row_length(b), 12U);
   const std::vector<qwen3::Model::RowTokens> twice = {{a, slice(tokens, 5, 1)}, {a, slice(tokens, 6, 1)}};
   EXPECT_THROW((void)model.forward(twice, cache), std::invalid_argument);
-  EXPECT_EQ(cache.length(a), 5U);
+  EXPECT_EQ(cache.row_length(a), 5U);
   // And the rows go on to the logits they would have had.
   const std::vector<qwen3::Model::RowTokens> next = {{a, slice(tokens, 5, 1)}};
   EXPECT_LE(max_abs_diff(model.forward(next, cache)[0], model.forward_uncached(slice(tokens, 0, 6)).bottomRows(1)),

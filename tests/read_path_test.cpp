@@ -25,7 +25,7 @@ template <>
 struct kvcache::storage_codec<kvcache_test::Pow2Rows> {
   using unit = float;
   using acc = float;
-  static constexpr bool row_scales = true;
+  static constexpr scales_kept scales = scales_kept::per_row;
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
   template <class In>
   static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {

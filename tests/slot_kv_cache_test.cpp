@@ -44,7 +44,7 @@ class Slots : public ::testing::Test {
       const Block<In> v({rows.size(), kv_heads, tokens, head_dim}, seed_++);
       std::vector<std::int64_t> positions;
       for (const std::size_t row : rows) {
-        const auto p = arange(cache.length(row, layer), tokens);
+        const auto p = arange(cache.row_length(row, layer), tokens);
         positions.insert(positions.end(), p.begin(), p.end());
       }
       const auto history = cache.update(layer, k.view(), v.view(), Positions(positions.data(), tokens, tokens), rows);
@@ -58,7 +58,7 @@ class Slots : public ::testing::Test {
         for (std::size_t t = 0; t < tokens; ++t) {
           expected[positions[i * tokens + t]] = row_of<T>(one(k), one(v), t);
         }
-        EXPECT_EQ(history.segments[0].tokens(i), cache.length(rows[i], layer));
+        EXPECT_EQ(history.segments[0].tokens(i), cache.row_length(rows[i], layer));
       }
     }
   }
@@ -73,7 +73,7 @@ class Slots : public ::testing::Test {
     for (std::size_t layer = 0; layer < layers; ++layer) {
       for (std::size_t row = 0; row < slots; ++row) {
         auto expected = expected_[layer][row];
-        expected.erase(expected.lower_bound(static_cast<std::int64_t>(cache.length(row, layer))), expected.end());
+        expected.erase(expected.lower_bound(static_cast<std::int64_t>(cache.row_length(row, layer))), expected.end());
         EXPECT_EQ(held(cache, layer, row), expected) << "layer " << layer << " row " << row;
       }
     }
@@ -95,10 +95,10 @@ TYPED_TEST(Slots, RowsAdvanceByTheirOwnCountsAndEachHoldsOnlyItsOwnTokens) {
   this->feed(cache, {b}, 5);     // one of 5
   this->feed(cache, {a, b, c}, 1);
   this->feed(cache, {b, c}, 2);
-  EXPECT_EQ(cache.length(a), 4U);
-  EXPECT_EQ(cache.length(b), 8U);
-  EXPECT_EQ(cache.length(c), 6U);
-  EXPECT_EQ(cache.length(3), 0U);
+  EXPECT_EQ(cache.row_length(a), 4U);
+  EXPECT_EQ(cache.row_length(b), 8U);
+  EXPECT_EQ(cache.row_length(c), 6U);
+  EXPECT_EQ(cache.row_length(3), 0U);
   EXPECT_EQ(cache.length(), 8U);  // the longest row
   this->expect_rows_hold_what_was_fed(cache);
   // The history of every slot: free ones read nothing.
@@ -123,13 +123,13 @@ TYPED_TEST(Slots, AFinishedRowsSlotIsReusedEmptyAndTheOthersKeepTheirTokens) {
   EXPECT_FALSE(cache.acquired(1));
   EXPECT_EQ(cache.free_slots(), 2U);
   EXPECT_EQ(cache.acquire(), 1U);  // the lowest free slot
-  EXPECT_EQ(cache.length(1), 0U);
+  EXPECT_EQ(cache.row_length(1), 0U);
   EXPECT_TRUE(cache.history(0, {1}).segments[0].tokens(0) == 0);
   for (auto& layer : this->expected_) layer[1].clear(), layer[2].clear();
   this->feed(cache, {1}, 2);
   this->feed(cache, {3, 1}, 1);
-  EXPECT_EQ(cache.length(1), 3U);
-  EXPECT_EQ(cache.length(3), 5U);
+  EXPECT_EQ(cache.row_length(1), 3U);
+  EXPECT_EQ(cache.row_length(3), 5U);
   this->expect_rows_hold_what_was_fed(cache);
   cache.reset();  // as constructed: every slot free and empty
   EXPECT_EQ(cache.free_slots(), 4U);
@@ -142,19 +142,19 @@ TYPED_TEST(Slots, APartWayPassMakesThatRowsLengthThrowUntilTruncateRepairsIt) {
   (void)cache.acquire();
   this->feed(cache, {0, 1}, 3);
   this->feed(cache, {1}, 1, 0);  // row 1's pass stops after layer 0
-  EXPECT_EQ(cache.length(0), 3U);
-  EXPECT_EQ(cache.length(1, 0), 4U);
-  EXPECT_EQ(cache.length(1, 2), 3U);
+  EXPECT_EQ(cache.row_length(0), 3U);
+  EXPECT_EQ(cache.row_length(1, 0), 4U);
+  EXPECT_EQ(cache.row_length(1, 2), 3U);
   try {
-    (void)cache.length(1);
-    ADD_FAILURE() << "length(1) must throw while its layers disagree";
+    (void)cache.row_length(1);
+    ADD_FAILURE() << "row_length(1) must throw while its layers disagree";
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(), AllOf(HasSubstr("row 1"), HasSubstr("layer 0 holds 4"), HasSubstr("layers 1-2 hold 3")));
   }
   EXPECT_THROW((void)cache.length(), std::runtime_error);
   EXPECT_THROW(cache.truncate(1, 4), std::out_of_range);
   cache.truncate(1, 3);
-  EXPECT_EQ(cache.length(1), 3U);
+  EXPECT_EQ(cache.row_length(1), 3U);
   this->expect_rows_hold_what_was_fed(cache);
 }
 
@@ -222,11 +222,11 @@ TYPED_TEST(Slots, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
        Throws::out_of_range,
        {"a slot < 4", "given 9"}},
       {"length of a row past the slots",
-       [](Cache& cache) { (void)cache.length(4); },
+       [](Cache& cache) { (void)cache.row_length(4); },
        Throws::out_of_range,
        {"row", "given 4"}},
       {"length of a bad layer",
-       [](Cache& cache) { (void)cache.length(0, 3); },
+       [](Cache& cache) { (void)cache.row_length(0, 3); },
        Throws::out_of_range,
        {"layer", "expected < 3", "given 3"}},
       {"history of a row past the slots",
@@ -249,7 +249,7 @@ TYPED_TEST(Slots, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
     const std::size_t bytes = cache.bytes();
     std::vector<std::size_t> lengths;
     for (std::size_t row = 0; row < TestFixture::slots; ++row)
-      for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) lengths.push_back(cache.length(row, layer));
+      for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) lengths.push_back(cache.row_length(row, layer));
     expect_throw_naming([&] { c.call(cache); }, c.type, c.parts);
     if (c.name == "acquire none free") {  // the two free slots were taken before the third threw
       cache.release(2);
@@ -257,7 +257,7 @@ TYPED_TEST(Slots, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
     }
     std::vector<std::size_t> after;
     for (std::size_t row = 0; row < TestFixture::slots; ++row)
-      for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) after.push_back(cache.length(row, layer));
+      for (std::size_t layer = 0; layer < TestFixture::layers; ++layer) after.push_back(cache.row_length(row, layer));
     EXPECT_EQ(after, lengths);
     EXPECT_EQ(cache.bytes(), bytes);
     EXPECT_EQ(cache.free_slots(), 2U);
@@ -364,7 +364,7 @@ TYPED_TEST(Slots, RandomOperationSequencesMatchTheReference) {
       for (std::size_t row = 0; row < S; ++row) {
         ASSERT_EQ(cache.acquired(row), in_use[row]) << "row " << row;
         for (std::size_t layer = 0; layer < L; ++layer) {
-          ASSERT_EQ(cache.length(row, layer), length_of(layer, row)) << "layer " << layer << " row " << row;
+          ASSERT_EQ(cache.row_length(row, layer), length_of(layer, row)) << "layer " << layer << " row " << row;
           ASSERT_EQ(flatten(cache.history(layer, row)), held[layer][row]) << "layer " << layer << " row " << row;
         }
       }
@@ -419,9 +419,9 @@ TEST(SlotAttention, RowsListedInOneUpdateMayAdvanceFromDifferentLengths) {
   const auto history = cache.update(0, step.view(), step.view(), Positions(positions, 1, 1), {2, 0});
   EXPECT_EQ(history.segments[0].tokens(0), 6U);
   EXPECT_EQ(history.segments[0].tokens(1), 1U);
-  EXPECT_EQ(cache.length(2), 6U);
-  EXPECT_EQ(cache.length(0), 1U);
-  EXPECT_EQ(cache.length(1), 0U);
+  EXPECT_EQ(cache.row_length(2), 6U);
+  EXPECT_EQ(cache.row_length(0), 1U);
+  EXPECT_EQ(cache.row_length(1), 0U);
 }
 
 // ---- a window per row --------------------------------------------------------------------------
@@ -460,7 +460,7 @@ TEST(SlotWindows, EachRowReadsWhatARingOfItsOwnReadsAndMemoryStaysFlat) {
     const Block<float> k({rows.size(), H, tokens, D}, rng()), v({rows.size(), H, tokens, D}, rng());
     std::vector<std::int64_t> positions;
     for (const std::size_t row : rows) {
-      const auto p = arange(cache.length(row), tokens);
+      const auto p = arange(cache.row_length(row), tokens);
       positions.insert(positions.end(), p.begin(), p.end());
     }
     const auto history = cache.update(0, k.view(), v.view(), Positions(positions.data(), tokens, tokens), rows);
@@ -487,7 +487,7 @@ TEST(SlotWindows, EachRowReadsWhatARingOfItsOwnReadsAndMemoryStaysFlat) {
       }
       // Every position a query of this chunk reads is held, with the data the ring holds there.
       const auto held = flatten_row(history, i), ring_held = flatten(ring_history);
-      const std::size_t n = cache.length(rows[i]), first = static_cast<std::size_t>(own[0]);
+      const std::size_t n = cache.row_length(rows[i]), first = static_cast<std::size_t>(own[0]);
       for (std::size_t p = 0; p < n; ++p) {
         if (p < kSinks || p + kWindow > first) {
           ASSERT_TRUE(held.count(static_cast<std::int64_t>(p))) << "slot " << rows[i] << " position " << p;
@@ -497,7 +497,7 @@ TEST(SlotWindows, EachRowReadsWhatARingOfItsOwnReadsAndMemoryStaysFlat) {
     }
     EXPECT_EQ(cache.bytes(), bytes);
   }
-  for (std::size_t row = 0; row < slots; ++row) EXPECT_GT(cache.length(row), 3 * (kSinks + kWindow + kSlack));
+  for (std::size_t row = 0; row < slots; ++row) EXPECT_GT(cache.row_length(row), 3 * (kSinks + kWindow + kSlack));
 }
 
 TEST(SlotWindows, BadWindowsChunksAndTruncatesThrowAndLeaveTheCacheUnchanged) {
@@ -519,7 +519,7 @@ TEST(SlotWindows, BadWindowsChunksAndTruncatesThrowAndLeaveTheCacheUnchanged) {
   const auto snapshot = [&] {
     std::vector<std::map<std::int64_t, Row>> rows;
     for (std::size_t row = 0; row < 2; ++row) rows.push_back(flatten(cache.history(0, row)));
-    return std::pair{rows, std::vector<std::size_t>{cache.length(0), cache.length(1)}};
+    return std::pair{rows, std::vector<std::size_t>{cache.row_length(0), cache.row_length(1)}};
   };
   const auto before = snapshot();
   // Slot 0 would wrap by a chunk of slack + 2: refused naming the bound; the other row listed
@@ -539,16 +539,16 @@ TEST(SlotWindows, BadWindowsChunksAndTruncatesThrowAndLeaveTheCacheUnchanged) {
   // Past the ring's slack, a truncate would need positions it overwrote: refused, unchanged.
   for (std::size_t step = 0; step < 6; ++step) {
     const Block<float> one({1, 2, 1, 8}, 10 + step);
-    cache.update(0, one.view(), one.view(), arange(cache.length(0), 1), {0});
+    cache.update(0, one.view(), one.view(), arange(cache.row_length(0), 1), {0});
   }
   const auto later = snapshot();
-  EXPECT_EQ(cache.length(0), 14U);
+  EXPECT_EQ(cache.row_length(0), 14U);
   expect_throw_naming([&] { cache.truncate(0, 9); }, Throws::out_of_range, {"SlotKvCache::truncate", "row 0", "9"});
   EXPECT_THROW(cache.truncate(9), std::out_of_range);
   EXPECT_EQ(snapshot(), later);
   // Within the slack, and back to the sinks, it works.
   cache.truncate(0, 14 - kSlack);
-  EXPECT_EQ(cache.length(0), 14 - kSlack);
+  EXPECT_EQ(cache.row_length(0), 14 - kSlack);
   cache.truncate(0, kSinks);
   EXPECT_EQ(snapshot().first[0].size(), kSinks);
 }

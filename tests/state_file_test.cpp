@@ -217,7 +217,7 @@ struct Totals {
 
 template <class Cache>
 Totals totals_of(const Cache& cache) {
-  return {cache.bytes(), cache.clipped(), cache.head_scales(false), cache.head_scales(true)};
+  return {cache.bytes(), cache.clipped(), cache.key_head_scales(), cache.value_head_scales()};
 }
 
 /// Everything a cache shows: each layer's history by position, its lengths and totals.
@@ -537,7 +537,6 @@ TYPED_TEST(StateFileOneFormat, InfoDescribesTheFileAndBuildsACacheThatLoadsIt) {
   TypeParam original = this->filled();
   std::istringstream in(saved(original, "fingerprint"));
   const StateInfo info = read_state_info(in);
-  EXPECT_EQ(info.version, 1U);
   EXPECT_EQ(info.format, storage_codec<typename TypeParam::value_type>::name);
   EXPECT_EQ(info.variant, CacheName::GetName<TypeParam>(0).starts_with("Ring")     ? "RingKvCache"
                           : CacheName::GetName<TypeParam>(0).starts_with("Concat") ? "ConcatKvCache"
@@ -648,7 +647,7 @@ TEST(StateFileCrafted, ARingSlotHoldingAnotherPositionThanTheHistoryReadsIsRefus
     ADD_FAILURE() << "loaded a slot holding position 6 into a layer of 4 tokens";
   } catch (const std::runtime_error& e) {
     EXPECT_THAT(e.what(),
-                AllOf(HasSubstr("section RING[0]: slot positions: expected 2 in slot 2"), HasSubstr("found 6")));
+                AllOf(HasSubstr("section RING[0]: row positions: expected 2 in row 2"), HasSubstr("found 6")));
   }
   EXPECT_EQ(snapshot(cache), before);
 }
@@ -690,7 +689,7 @@ SlotSnapshot snapshot(SlotKvCache<T>& cache) {
   for (std::size_t row = 0; row < cache.slots(); ++row) s.acquired.push_back(cache.acquired(row));
   for (std::size_t l = 0; l < cache.layers(); ++l) {
     for (std::size_t row = 0; row < cache.slots(); ++row) {
-      s.lengths.push_back(cache.length(row, l));
+      s.lengths.push_back(cache.row_length(row, l));
       s.layers.push_back(flatten(cache.history(l, Rows(row))));
     }
   }
@@ -712,7 +711,7 @@ class SlotStateFile : public ::testing::Test {
   /// Feeds `tokens` to `row` in layers [0, until), from `seed`, scaled by `gain`.
   static void feed(Cache& cache, std::size_t row, std::size_t tokens, std::uint64_t seed, float gain = 1.0F,
                    std::size_t until = layers) {
-    const auto positions = arange(cache.length(row, 0), tokens);
+    const auto positions = arange(cache.row_length(row, 0), tokens);
     for (std::size_t l = 0; l < until; ++l) {
       Block<In> k({1, kv_heads, tokens, head_dim}, seed + 2 * l);
       Block<In> v({1, kv_heads, tokens, head_dim}, seed + 2 * l + 1);
@@ -751,7 +750,7 @@ TYPED_TEST(SlotStateFile, RoundTripIsBitExactAndContinuesTheSame) {
   if constexpr (detail::has_head_scales<TypeParam>) {
     ASSERT_GT(original.clipped(), 0U);
   }
-  ASSERT_EQ(original.length(2, 0), original.length(2, 1) + 1);
+  ASSERT_EQ(original.row_length(2, 0), original.row_length(2, 1) + 1);
   const std::string file = saved(original, "slots");
   EXPECT_EQ(info_of(file).variant, "SlotKvCache");
   StateInfo info = info_of(file);
@@ -765,7 +764,7 @@ TYPED_TEST(SlotStateFile, RoundTripIsBitExactAndContinuesTheSame) {
 
   // Both continue alike: slot 2 repaired, slot 1 admitted again, slot 0 decoding.
   for (SlotKvCache<TypeParam>* cache : {&original, &loaded}) {
-    cache->truncate(2, cache->length(2, 1));
+    cache->truncate(2, cache->row_length(2, 1));
     EXPECT_EQ(cache->acquire(), 1U);
     this->feed(*cache, 1, 3, 500);
     this->feed(*cache, 0, 2, 600);
@@ -1145,7 +1144,7 @@ void expect_refused_across(const std::string& expected, const std::string& found
 void feed_slot(SlotKvCache<float>& cache, std::size_t row, std::size_t tokens, std::size_t chunk, std::uint64_t seed) {
   for (std::size_t done = 0; done < tokens;) {
     const std::size_t n = std::min(chunk, tokens - done);
-    const auto positions = arange(cache.length(row, 0), n);
+    const auto positions = arange(cache.row_length(row, 0), n);
     for (std::size_t l = 0; l < cache.layers(); ++l) {
       const Block<float> k({1, cache.kv_heads(), n, cache.head_dim()}, seed++);
       const Block<float> v({1, cache.kv_heads(), n, cache.head_dim()}, seed++);
@@ -1323,10 +1322,10 @@ TEST(StateFileAcross, TheFilesHeadScalesReplaceTheConfigsAndStayThroughAReset) {
   EXPECT_TRUE(
       info_of(saved(KvCache<fp8_e4m3>({.layers = 2, .kv_heads = 2, .head_dim = 8, .capacity = 8}))).key_scales.empty());
   load_from(loaded, file);
-  EXPECT_EQ(loaded.head_scales(false), keys);
+  EXPECT_EQ(loaded.key_head_scales(), keys);
   loaded.reset();
-  EXPECT_EQ(loaded.head_scales(false), keys);
-  EXPECT_EQ(loaded.head_scales(true), values);
+  EXPECT_EQ(loaded.key_head_scales(), keys);
+  EXPECT_EQ(loaded.value_head_scales(), values);
 }
 
 /// `file` (of a cache of `layers` layers) with its HEAD's format name replaced and BASE's "scales

@@ -49,7 +49,7 @@ inline constexpr bool is_slot_cache = std::is_same_v<Cache, SlotKvCache<typename
 template <class Cache>
 std::size_t layer_length(const Cache& cache, std::size_t layer) {
   if constexpr (is_slot_cache<Cache>) {
-    return cache.length(0, layer);
+    return cache.row_length(0, layer);
   } else {
     return cache.length(layer);
   }

@@ -233,15 +233,15 @@ TEST(EngineInts, RowsTakeAnyIntegerType) {
   const std::vector<int> rows = {b, a};
   (void)cache.update(0, two, two, {1}, rows);  // a vector of ints
   (void)cache.update(0, one, one, {2}, a);     // one int
-  EXPECT_EQ(cache.length(static_cast<std::size_t>(a)), 3U);
-  EXPECT_EQ(cache.length(static_cast<std::size_t>(b)), 2U);
+  EXPECT_EQ(cache.row_length(static_cast<std::size_t>(a)), 3U);
+  EXPECT_EQ(cache.row_length(static_cast<std::size_t>(b)), 2U);
   EXPECT_EQ(cache.history(0, {b}).segments[0].row_tokens[0], 2U);
   EXPECT_THAT(
       [&] {
         (void)cache.update(0, two, two, {3}, {a, -1});
       },
       ThrowsMessage<std::invalid_argument>(StrEq("rows[1]: expected a slot >= 0, given -1")));
-  EXPECT_EQ(cache.length(static_cast<std::size_t>(a)), 3U);
+  EXPECT_EQ(cache.row_length(static_cast<std::size_t>(a)), 3U);
 }
 
 }  // namespace

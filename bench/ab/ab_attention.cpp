@@ -99,7 +99,7 @@ constexpr kvcache_ab::Type type_of() {
 template <class T>
 constexpr std::size_t row_bytes() {
   using Codec = kvcache::storage_codec<T>;
-  const bool row_scale = Codec::row_scales && !kvcache::detail::has_head_scales<T>;
+  const bool row_scale = kvcache::detail::has_row_scales<T>;
   return Codec::units(kHeadDim) * sizeof(typename Codec::unit) + (row_scale ? sizeof(float) : 0);
 }
 

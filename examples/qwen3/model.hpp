@@ -294,7 +294,7 @@ class Model {
         }
       }
       rows.push_back(batch[i].row);
-      starts.push_back(cache.length(batch[i].row));
+      starts.push_back(cache.row_length(batch[i].row));
       first[i] = tokens.size();
       tokens.insert(tokens.end(), batch[i].tokens.begin(), batch[i].tokens.end());
       const auto p = sequence_positions(starts.back(), batch[i].tokens.size());

@@ -108,7 +108,8 @@ void check_attention(const TensorView<const Q>& q, const Positions& q_positions,
       throw std::invalid_argument(name() + " keys, values and positions data: expected non-null pointers for shape " +
                                   k.str() + ", given null");
     }
-    if (storage_codec<T>::row_scales && k.size() != 0 && (seg.key_scales.empty() || seg.value_scales.empty())) {
+    if (detail::reads_scales<storage_codec<T>> && k.size() != 0 &&
+        (seg.key_scales.empty() || seg.value_scales.empty())) {
       throw std::invalid_argument(name() + " key_scales and value_scales: expected a scale per row for this format, " +
                                   "given none");
     }

@@ -79,7 +79,7 @@ template <class T, class Cache>
               for (std::size_t d = 0; d < dim; ++d) {
                 top = std::max(top, std::fabs(static_cast<float>(Codec::value(rows.row(r, h, j), d))));
               }
-              return Codec::row_scales ? top * *scales.at(r, h, j) : top;
+              return detail::reads_scales<Codec> ? top * *scales.at(r, h, j) : top;
             };
             key_amax[h] = std::max(key_amax[h], largest(s.keys, s.key_scales));
             value_amax[h] = std::max(value_amax[h], largest(s.values, s.value_scales));

@@ -9,23 +9,26 @@
 //   template <> struct kvcache::storage_codec<MyFormat> {
 //     using unit = std::uint8_t;                      // what a stored row is made of
 //     using acc = float;                              // what rows are summed in
-//     static constexpr bool row_scales = true;        // one float scale per stored row
+//     static constexpr scales_kept scales = scales_kept::per_row;  // a float scale per row
 //     static constexpr std::size_t units(std::size_t head_dim) noexcept;
 //     template <class In> static float encode(const In* in, unit* row, std::size_t head_dim) noexcept;
 //     template <std::size_t B> static Vec<float, B> load(const unit* row, std::size_t d) noexcept;
 //     static float value(const unit* row, std::size_t d) noexcept;
 //   };
 //
-// encode returns the row's scale (ignored without row_scales); load gives the B / 4 values from
-// d on, unscaled; the kernel multiplies a row's products by its scale once. Optional members:
+// encode returns the row's scale (kept only with scales_kept::per_row); load gives the B / 4
+// values from d on, unscaled; the kernel multiplies a row's products by its scale once. A format
+// with scales_kept::per_head (a static scale per (layer, kv head), given in the config) has instead
+//
+//     template <class In>                               // encode given the head's scale: returns
+//     static std::size_t encode(const In*, unit*, std::size_t, float scale) noexcept;  // the values
+//     static float scale_for(float amax) noexcept;      // clipped; the scale for a largest magnitude
+//
+// Optional members:
 //
 //     static constexpr const char* name = "my_format";   // for messages
 //     static constexpr float max_magnitude = 65504.0F;  // update() refuses non-finite input and
 //                                                       // input beyond this, cache unchanged
-//     static constexpr bool head_scales = true;         // one static scale per (layer, kv head)
-//     static float scale_for(float amax) noexcept;      // instead, given in the config, and
-//     template <class In>                               // encode given it; returns the values
-//     static std::size_t encode(const In*, unit*, std::size_t, float scale) noexcept;  // clipped
 //     static constexpr int load_exponent = 120;          // load gives the values times 2^-120,
 //                                                       // which the kernel folds into its scales
 //     static void rotate(float* x, std::size_t head_dim) noexcept;    // an orthogonal transform R
@@ -42,8 +45,8 @@
 // bfloat16 in a 32-bit word: a shift and a mask) names a split; the kernel then keeps queries and
 // sums in that order and puts each output row back in order once.
 //
-// A format with head_scales also has row_scales: its segments repeat the head's scale for
-// every row (a token stride of 0), so the kernel reads both kinds the same way. Without rotate,
+// A format with head scales reads like one with row scales: its segments repeat the head's scale
+// for every row (a token stride of 0), so the kernel reads both kinds the same way. Without rotate,
 // the transform is the identity: the kernel never sees it either way.
 //
 // A codec that lacks a required member stops the build where a cache or causal_attention first
@@ -71,6 +74,13 @@ inline namespace KVCACHE_ABI {
 /// The codec of storage format T; specialize it to add a format.
 template <class T>
 struct storage_codec;
+
+/// Where the scales a format's stored rows are multiplied by live: a codec's `scales`.
+enum class scales_kept {
+  none,      // rows are read as stored (or carry their scales inside them)
+  per_row,   // encode returns a float scale for each row, kept beside it
+  per_head,  // a static scale per (layer, kv head), given in the config and to encode
+};
 
 namespace detail {
 
@@ -155,7 +165,7 @@ template <class T>
 struct SixteenBitCodec {
   using unit = T;
   using acc = float;
-  static constexpr bool row_scales = false;
+  static constexpr scales_kept scales = scales_kept::none;
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
   template <class In>
@@ -203,7 +213,7 @@ template <class T>
 struct PlainCodec {
   using unit = T;
   using acc = T;
-  static constexpr bool row_scales = false;
+  static constexpr scales_kept scales = scales_kept::none;
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
   template <class In>
@@ -252,8 +262,18 @@ namespace detail {
 /// Whether format T keeps one scale per (layer, kv head), given to its encode.
 template <class T>
 inline constexpr bool has_head_scales = requires {
-  requires storage_codec<T>::head_scales;
+  requires storage_codec<T>::scales == scales_kept::per_head;
 };
+
+/// Whether format T keeps a scale beside each stored row, returned by its encode.
+template <class T>
+inline constexpr bool has_row_scales = requires {
+  requires storage_codec<T>::scales == scales_kept::per_row;
+};
+
+/// Whether codec C's rows are read with a scale each (a row's own, or its head's repeated).
+template <class C>
+inline constexpr bool reads_scales = C::scales != scales_kept::none;
 
 /// Whether format T stores each head rotated (rotate and unrotate in its codec): attention then
 /// rotates the queries alike and rotates its output back.
@@ -321,8 +341,8 @@ concept codec_has_units = requires(std::size_t n) {
   { C::units(n) } -> std::same_as<std::size_t>;
 };
 template <class C>
-concept codec_has_row_scales = requires {
-  { C::row_scales } -> std::convertible_to<bool>;
+concept codec_has_scales = requires {
+  { C::scales } -> std::convertible_to<scales_kept>;
 };
 template <class C>
 concept codec_has_load = requires(const typename C::unit* row, std::size_t d) {
@@ -334,7 +354,7 @@ concept codec_has_value = requires(const typename C::unit* row, std::size_t d) {
 };
 template <class C>
 concept codec_has_head_scales = requires {
-  requires C::head_scales;
+  requires C::scales == scales_kept::per_head;
 };
 template <class C>
 concept codec_has_encode = (codec_has_head_scales<C> &&
@@ -366,16 +386,17 @@ constexpr bool check_codec() noexcept {
     static_assert(codec_has_units<C>,
                   "kvcache: storage_codec<T>::units(head_dim) is missing: a static function "
                   "giving the units a stored row of head_dim values takes.");
-  } else if constexpr (!codec_has_row_scales<C>) {
-    static_assert(codec_has_row_scales<C>,
-                  "kvcache: storage_codec<T>::row_scales is missing: a static constexpr "
-                  "bool, true if encode returns a scale kept per row.");
+  } else if constexpr (!codec_has_scales<C>) {
+    static_assert(codec_has_scales<C>,
+                  "kvcache: storage_codec<T>::scales is missing: a static constexpr kvcache::scales_kept saying "
+                  "where the scales rows are multiplied by live (none, per_row, per_head).");
   } else if constexpr (!codec_has_encode<C>) {
-    static_assert(codec_has_encode<C>,
-                  "kvcache: storage_codec<T>::encode is missing or of another signature: template <class In> static "
-                  "float encode(const In* in, unit* row, std::size_t head_dim) (returns the row's scale), or with "
-                  "head_scales, static std::size_t encode(const In*, unit*, std::size_t, float scale) and static "
-                  "float scale_for(float amax).");
+    static_assert(
+        codec_has_encode<C>,
+        "kvcache: storage_codec<T>::encode is missing or of another signature: template <class In> static "
+        "float encode(const In* in, unit* row, std::size_t head_dim) (returns the row's scale), or with "
+        "scales_kept::per_head, static std::size_t encode(const In*, unit*, std::size_t, float scale) and static "
+        "float scale_for(float amax).");
   } else if constexpr (!codec_has_load<C>) {
     static_assert(codec_has_load<C>,
                   "kvcache: storage_codec<T>::load is missing or of another signature: "
@@ -386,7 +407,7 @@ constexpr bool check_codec() noexcept {
                   "kvcache: storage_codec<T>::value(row, d) is missing: a static function "
                   "giving one stored value as acc.");
   }
-  return is_complete<C> && codec_has_unit<C> && codec_has_acc<C> && codec_has_units<C> && codec_has_row_scales<C> &&
+  return is_complete<C> && codec_has_unit<C> && codec_has_acc<C> && codec_has_units<C> && codec_has_scales<C> &&
          codec_has_encode<C> && codec_has_load<C> && codec_has_value<C>;
 }
 
@@ -397,7 +418,7 @@ constexpr bool check_codec() noexcept {
 template <class T>
 concept storage_format = detail::is_complete<storage_codec<T>> && detail::codec_has_unit<storage_codec<T>> &&
     detail::codec_has_acc<storage_codec<T>> && detail::codec_has_units<storage_codec<T>> &&
-    detail::codec_has_row_scales<storage_codec<T>> && detail::codec_has_encode<storage_codec<T>> &&
+    detail::codec_has_scales<storage_codec<T>> && detail::codec_has_encode<storage_codec<T>> &&
     detail::codec_has_load<storage_codec<T>> && detail::codec_has_value<storage_codec<T>>;
 
 /// A value type an engine computes in: float, double, kvcache::half, kvcache::bfloat16, or

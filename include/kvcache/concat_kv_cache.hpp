@@ -28,7 +28,9 @@ inline namespace KVCACHE_ABI {
 ///   kvcache::ConcatKvCache<float> cache({.layers = 4, .kv_heads = 2, .head_dim = 32, .capacity = 1024});
 ///   auto history = cache.update(layer, k, v, positions);
 template <class T>
-class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<ConcatKvCache<T>, T> {
+class ConcatKvCache : public detail::LayerLengths,
+                      public detail::HeadScales,
+                      public detail::ComputeTypeUpdates<ConcatKvCache<T>, T> {
   static_assert(detail::check_codec<T>(),
                 "ConcatKvCache<T>: T must be a storage format (a type with a storage_codec).");
 
@@ -38,11 +40,12 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
   /// Allocates nothing yet; throws std::invalid_argument for a zero size or ring fields,
   /// std::length_error for a capacity whose bytes overflow std::size_t (as KvCache does).
   explicit ConcatKvCache(const KvCacheConfig& config)
-      : CacheBase("ConcatKvCache", detail::check_dense_config("ConcatKvCache", config)),
+      : LayerLengths("ConcatKvCache", detail::check_dense_config("ConcatKvCache", config)),
+        HeadScales(layers()),
         capacity_(detail::check_footprint("ConcatKvCache", geometry(), config.capacity,
                                           sizeof(typename storage_codec<T>::unit))),
         layers_(layers()) {
-    init_scales<T>(config);
+    init_scales<T>(name(), geometry(), config);
   }
 
   // update(layer, k, v, positions): same contract as KvCache::update; reallocates the layer's
@@ -72,7 +75,7 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
     std::vector<std::pair<std::size_t, Layer>> shrunk;
     for (std::size_t l = 0; l < layers(); ++l) {
       const std::size_t held = length(l);
-      if (layers_[l].rows.slots() == held) continue;
+      if (layers_[l].rows.tokens() == held) continue;
       Layer fitted;
       if (held != 0) {
         fitted.rows = detail::RowStore<T>(batch(), kv_heads(), head_dim(), held, kPlain);
@@ -109,7 +112,7 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
   // Plain pages, as a framework's allocator gives a concatenation (this is the baseline).
   static constexpr detail::BufferOptions kPlain{.zero_fill = false, .huge_pages = false};
 
-  // State files (state_file.hpp): each layer's rows; CacheBase's section has the lengths.
+  // State files (state_file.hpp): each layer's rows; BASE has the lengths.
   [[nodiscard]] KvCacheConfig state_config() const noexcept {
     return {
         .layers = layers(), .batch = batch(), .kv_heads = kv_heads(), .head_dim = head_dim(), .capacity = capacity_};
@@ -138,7 +141,7 @@ class ConcatKvCache : public detail::CacheBase, public detail::ComputeTypeUpdate
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t length = check_update(layer, k, v, positions, capacity_);
-    check_values<T>(layer, k, v);
+    check_values<T>(name(), layer, k, v);
     Layer& old = layers_[layer];
     const std::size_t total = length + k.tokens();
     Layer grown{detail::RowStore<T>(batch(), kv_heads(), head_dim(), total, kPlain), std::vector<std::int64_t>(total)};

@@ -45,13 +45,13 @@ concept kv_cache_protocol = requires(C& cache, const C& view, std::size_t n, Ten
 /// code that serves a batch of sequences is a template over it:
 ///
 ///   auto history = cache.update(layer, k, v, positions, rows);  // k [rows, H_kv, T, D]
-///   std::size_t held = cache.length(row);
+///   std::size_t held = cache.row_length(row);
 ///   cache.truncate(row, held);
 template <class C, class In = default_input<typename C::value_type>>
 concept row_cache_protocol = kv_cache_protocol<C, In> &&
     requires(C& cache, const C& view, std::size_t n, TensorView<const In> kv, Positions positions, Rows rows) {
   { cache.update(n, kv, kv, positions, rows) } -> std::same_as<History<typename C::value_type>>;
-  { view.length(n) } -> std::same_as<std::size_t>;
+  { view.row_length(n) } -> std::same_as<std::size_t>;
   cache.truncate(n, n);
 };
 

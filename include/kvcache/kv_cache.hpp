@@ -33,7 +33,9 @@ inline namespace KVCACHE_ABI {
 ///     kvcache::causal_attention(q, positions, history, out);
 ///   }
 template <class T>
-class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCache<T>, T> {
+class KvCache : public detail::LayerLengths,
+                public detail::HeadScales,
+                public detail::ComputeTypeUpdates<KvCache<T>, T> {
   static_assert(detail::check_codec<T>(), "KvCache<T>: T must be a storage format (a type with a storage_codec).");
 
  public:
@@ -42,13 +44,14 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
   /// Allocates every layer's K and V; throws std::invalid_argument for a zero size or ring fields,
   /// std::length_error for a size whose bytes overflow std::size_t.
   explicit KvCache(const KvCacheConfig& config)
-      : CacheBase("KvCache", detail::check_dense_config("KvCache", config)),
+      : LayerLengths("KvCache", detail::check_dense_config("KvCache", config)),
+        HeadScales(layers()),
         capacity_(
             detail::check_footprint("KvCache", geometry(), config.capacity, sizeof(typename storage_codec<T>::unit))),
         positions_(capacity_),
         segments_(layers()) {
     std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
-    init_scales<T>(config);
+    init_scales<T>(name(), geometry(), config);
     rows_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(batch(), kv_heads(), head_dim(), capacity_);
   }
@@ -95,7 +98,7 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
   friend class detail::ComputeTypeUpdates<KvCache<T>, T>;
   friend struct detail::StateAccess;
 
-  // State files (state_file.hpp): each layer's rows; CacheBase's section has the lengths.
+  // State files (state_file.hpp): each layer's rows; BASE has the lengths.
   [[nodiscard]] KvCacheConfig state_config() const noexcept {
     return {
         .layers = layers(), .batch = batch(), .kv_heads = kv_heads(), .head_dim = head_dim(), .capacity = capacity_};
@@ -115,7 +118,7 @@ class KvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<KvCa
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t start = check_update(layer, k, v, positions, capacity_);
-    check_values<T>(layer, k, v);
+    check_values<T>(name(), layer, k, v);
     count_clipped(layer, rows_[layer].encode(k, v, 0, k.tokens(), start, head_scale_view(layer)));
     set_length(layer, start + k.tokens());
     return history(layer);

@@ -107,13 +107,13 @@ class PagedBatch : public detail::ComputeTypeUpdates<PagedBatch<T>, T>, public d
     return longest;
   }
   /// Tokens sequence `row` holds in every layer (its length()); std::out_of_range for a bad row.
-  [[nodiscard]] std::size_t length(std::size_t row) const {
-    check_row("PagedBatch::length", "row", row);
+  [[nodiscard]] std::size_t row_length(std::size_t row) const {
+    check_row("PagedBatch::row_length", "row", row);
     return sequences_[row]->length();
   }
   /// Tokens sequence `row` holds in `layer`; std::out_of_range for either out of range.
-  [[nodiscard]] std::size_t length(std::size_t row, std::size_t layer) const {
-    check_row("PagedBatch::length", "row", row);
+  [[nodiscard]] std::size_t row_length(std::size_t row, std::size_t layer) const {
+    check_row("PagedBatch::row_length", "row", row);
     return sequences_[row]->length(layer);
   }
 
@@ -217,7 +217,7 @@ class PagedBatch : public detail::ComputeTypeUpdates<PagedBatch<T>, T>, public d
                std::to_string(layer) + ": blocks";
       });
     }
-    pool_->template check_values<T>(layer, k, v);
+    pool_->template check_values<T>(pool_->name(), layer, k, v);
     std::size_t clipped = 0;
     for (std::size_t i = 0; i < rows.size(); ++i) clipped += sequences_[rows[i]]->write(layer, k, v, i, starts[i]);
     pool_->count_clipped(layer, clipped);

@@ -74,7 +74,7 @@ class PagedBatch;
 /// sequence may be updated concurrently only while no other sequence of the pool is written).
 /// The pool must outlive its sequences.
 template <class T>
-class BlockPool : private detail::CacheBase {
+class BlockPool : private detail::CacheGeometry, private detail::HeadScales {
   static_assert(detail::check_codec<T>(), "BlockPool<T>: T must be a storage format (a type with a storage_codec).");
 
  public:
@@ -83,7 +83,8 @@ class BlockPool : private detail::CacheBase {
   /// Allocates every block; std::invalid_argument for a zero size, std::length_error for a size
   /// whose bytes overflow std::size_t.
   explicit BlockPool(const BlockPoolConfig& config)
-      : CacheBase("BlockPool", geometry_of(config)),
+      : CacheGeometry("BlockPool", geometry_of(config)),
+        HeadScales(layers()),
         block_tokens_(config.block_tokens),
         blocks_(config.blocks),
         capacity_(config.capacity),
@@ -100,7 +101,7 @@ class BlockPool : private detail::CacheBase {
     KvCacheConfig scales{.layers = config.layers, .kv_heads = config.kv_heads, .head_dim = config.head_dim};
     scales.key_scales = config.key_scales;
     scales.value_scales = config.value_scales;
-    init_scales<T>(scales);
+    init_scales<T>(name(), geometry(), scales);
     if (capacity_ == 0) capacity_ = window_ != 0 ? std::numeric_limits<std::size_t>::max() : blocks_ * block_tokens_;
     positions_.resize(blocks_ * block_tokens_);
     rows_.reserve(layers());
@@ -113,11 +114,12 @@ class BlockPool : private detail::CacheBase {
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  using CacheBase::clipped;
-  using CacheBase::head_dim;
-  using CacheBase::head_scales;
-  using CacheBase::kv_heads;
-  using CacheBase::layers;
+  using CacheGeometry::head_dim;
+  using CacheGeometry::kv_heads;
+  using CacheGeometry::layers;
+  using HeadScales::clipped;
+  using HeadScales::key_head_scales;
+  using HeadScales::value_head_scales;
 
   [[nodiscard]] std::size_t block_tokens() const noexcept { return block_tokens_; }
   [[nodiscard]] std::size_t blocks() const noexcept { return blocks_; }
@@ -341,14 +343,14 @@ class BlockPool : private detail::CacheBase {
   void record_ids(std::size_t b, std::size_t first, std::size_t rows, std::span<const TokenId> known) {
     std::vector<TokenId>& recorded = meta_[b].ids;
     for (std::size_t i = 0; i < rows; ++i) {
-      const std::size_t slot = first + i;
-      if (slot > recorded.size()) return;  // an earlier row has no id
+      const std::size_t at = first + i;
+      if (at > recorded.size()) return;  // an earlier row has no id
       if (i >= known.size()) {
-        recorded.resize(slot);
+        recorded.resize(at);
         return;
       }
-      if (slot < recorded.size() && recorded[slot] == known[i]) continue;  // another layer's write
-      recorded.resize(slot);  // rows past a rewritten one are stale until written again
+      if (at < recorded.size() && recorded[at] == known[i]) continue;  // another layer's write
+      recorded.resize(at);  // rows past a rewritten one are stale until written again
       recorded.push_back(known[i]);
     }
   }
@@ -396,13 +398,13 @@ class BlockPool : private detail::CacheBase {
 ///   seq.add_token_ids({next});                              // a generated token's id, before feeding it
 ///   kvcache::PagedKvCache<float> sample = seq.fork();      // shares every block
 template <class T>
-class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<PagedKvCache<T>, T> {
+class PagedKvCache : public detail::LayerLengths, public detail::ComputeTypeUpdates<PagedKvCache<T>, T> {
  public:
   using value_type = T;
 
   /// An empty sequence in `pool`, which must outlive it.
   explicit PagedKvCache(BlockPool<T>& pool)
-      : CacheBase("PagedKvCache", {pool.layers(), 1, pool.kv_heads(), pool.head_dim()}),
+      : LayerLengths("PagedKvCache", {pool.layers(), 1, pool.kv_heads(), pool.head_dim()}),
         pool_(&pool),
         needs_(pool.layers(), 0),
         segments_(pool.layers()) {
@@ -411,7 +413,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   PagedKvCache(const PagedKvCache&) = delete;
   PagedKvCache& operator=(const PagedKvCache&) = delete;
   PagedKvCache(PagedKvCache&& other) noexcept
-      : CacheBase(std::move(other)),
+      : LayerLengths(std::move(other)),
         pool_(std::exchange(other.pool_, nullptr)),
         table_(std::move(other.table_)),
         ids_(std::move(other.ids_)),
@@ -428,7 +430,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   PagedKvCache& operator=(PagedKvCache&& other) noexcept {
     if (this != &other) {
       leave();
-      CacheBase::operator=(std::move(other));
+      LayerLengths::operator=(std::move(other));
       pool_ = std::exchange(other.pool_, nullptr);
       table_ = std::move(other.table_);
       other.table_.clear();
@@ -457,8 +459,11 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   /// The pool's saturated values and head scales: the pool's blocks share the static scale per
   /// (layer, kv head) its config gave, for formats that keep one.
   [[nodiscard]] std::size_t clipped() const noexcept { return pool_ == nullptr ? 0 : pool_->clipped(); }
-  [[nodiscard]] std::vector<float> head_scales(bool values) const {
-    return pool_ == nullptr ? std::vector<float>{} : pool_->head_scales(values);
+  [[nodiscard]] std::vector<float> key_head_scales() const {
+    return pool_ == nullptr ? std::vector<float>{} : pool_->key_head_scales();
+  }
+  [[nodiscard]] std::vector<float> value_head_scales() const {
+    return pool_ == nullptr ? std::vector<float>{} : pool_->value_head_scales();
   }
   /// What block_table() shows for a block a windowed sequence gave back.
   static constexpr std::size_t kReleased = ~std::size_t{0};
@@ -559,10 +564,10 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
             const std::size_t j = matched;
             const BlockKey parent = j == 0 ? BlockKey{} : keys[j - 1];
             const auto ids = prompt.subspan(j * b, b);
-            const std::size_t slot = pool_->free_.front() * b;  // the block take_free() takes below
+            const std::size_t first = pool_->free_.front() * b;  // the block take_free() takes below
             std::vector<std::string_view> layers;
             try {
-              layers = detail::verify_block<T>(records[i], space, keys[j], parent, ids, pool_->rows_, slot, b);
+              layers = detail::verify_block<T>(records[i], space, keys[j], parent, ids, pool_->rows_, first, b);
             } catch (const std::runtime_error& e) {
               bad = j;
               throw BlockStoreError("block " + std::to_string(j) + " of the prompt (key " + keys[j].hex() +
@@ -816,7 +821,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
       if (b != kReleased) held.push_back(b);
     return held;
   }
-  [[nodiscard]] const detail::CacheBase& state_scale_owner() const noexcept { return *pool_; }
+  [[nodiscard]] const detail::HeadScales& state_scale_owner() const noexcept { return *pool_; }
   template <class Out>
   void save_sections(Out& out) const {
     out.section("PAGE", [&](auto& fields) {
@@ -954,7 +959,7 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
     typename BlockPool<T>::Counts counts(*pool_);
     check_blocks(layer, start, k.tokens(), counts,
                  [&] { return "PagedKvCache::update: layer " + std::to_string(layer) + ": blocks"; });
-    pool_->template check_values<T>(layer, k, v);
+    pool_->template check_values<T>(pool_->name(), layer, k, v);
     pool_->count_clipped(layer, write(layer, k, v, std::size_t{0}, start));
     return history(layer);
   }
@@ -1084,8 +1089,8 @@ class PagedKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates
   }
   /// This pool's namespace in a store of `model`'s blocks.
   [[nodiscard]] detail::BlockSpace store_space(std::string_view model) const {
-    return detail::block_space<T>(model, block(), layers(), kv_heads(), head_dim(), pool_->head_scales(false),
-                                  pool_->head_scales(true));
+    return detail::block_space<T>(model, block(), layers(), kv_heads(), head_dim(), pool_->key_head_scales(),
+                                  pool_->value_head_scales());
   }
   /// Puts a verified record's rows (verify_block's payloads) for the prompt's next block, of
   /// `ids`, into a free block, which records the ids, is keyed, and joins the table.

@@ -110,7 +110,7 @@ inline float round_even(float x) noexcept { return std::nearbyint(x); }
 struct E4M3Rows {
   using unit = std::uint8_t;
   using acc = float;
-  static constexpr bool row_scales = true;
+  static constexpr scales_kept scales = scales_kept::per_row;  // fp8_e4m3_heads' are per head
   static constexpr float max_magnitude = std::numeric_limits<float>::max();
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
@@ -136,7 +136,7 @@ template <std::size_t G>
 struct Int4Groups {
   using unit = std::uint8_t;
   using acc = float;
-  static constexpr bool row_scales = false;  // the scales are inside the row, a pair a group
+  static constexpr scales_kept scales = scales_kept::none;  // inside the row, a pair a group
   static constexpr std::size_t kGroup = G;
   static constexpr std::size_t kGroupBytes = 4 + G / 2;
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return (head_dim + G - 1) / G * kGroupBytes; }
@@ -243,8 +243,8 @@ struct storage_codec<fp8_e4m3> : detail::E4M3Rows {
 template <>
 struct storage_codec<fp8_e4m3_heads> : detail::E4M3Rows {
   static constexpr const char* name = "fp8_e4m3_heads";
-  static constexpr bool head_scales = true;  // one scale per (layer, kv head), given to encode;
-                                             // segments repeat it for every row
+  // One scale per (layer, kv head), given to encode; segments repeat it for every row.
+  static constexpr scales_kept scales = scales_kept::per_head;
 
   /// The scale that maps a largest magnitude to E4M3's largest.
   static float scale_for(float amax) noexcept { return amax / detail::kE4M3Max; }
@@ -270,7 +270,7 @@ struct storage_codec<int8_rows> {
   using unit = std::int8_t;
   using acc = float;
   static constexpr const char* name = "int8_rows";
-  static constexpr bool row_scales = true;
+  static constexpr scales_kept scales = scales_kept::per_row;
   static constexpr float max_magnitude = std::numeric_limits<float>::max();
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 

@@ -27,7 +27,7 @@ inline namespace KVCACHE_ABI {
 
 /// Sliding-window cache: keeps the last `window` positions, the first `sinks` positions forever
 /// (attention sinks), and `slack` positions older than the window so that truncate() can roll
-/// back after the ring has wrapped. Memory is bounded by sinks + window + slack slots, plus a
+/// back after the ring has wrapped. Memory is bounded by sinks + window + slack rows, plus a
 /// staging area as large as the largest chunk, however long the sequence runs.
 ///
 /// Query p sees the sinks and the keys k with p - window < k <= p; the returned History says
@@ -39,16 +39,19 @@ inline namespace KVCACHE_ABI {
 ///   auto history = cache.update(layer, k, v, positions);  // up to 4 segments
 ///   kvcache::causal_attention(q, positions, history, out);
 template <class T>
-class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<RingKvCache<T>, T> {
+class RingKvCache : public detail::LayerLengths,
+                    public detail::HeadScales,
+                    public detail::ComputeTypeUpdates<RingKvCache<T>, T> {
   static_assert(detail::check_codec<T>(), "RingKvCache<T>: T must be a storage format (a type with a storage_codec).");
 
  public:
   using value_type = T;
 
   /// Allocates the ring; throws std::invalid_argument for a zero size or a zero window,
-  /// std::length_error for sinks + window + slack slots whose bytes overflow std::size_t.
+  /// std::length_error for sinks + window + slack rows whose bytes overflow std::size_t.
   explicit RingKvCache(const KvCacheConfig& config)
-      : CacheBase("RingKvCache", detail::check_config("RingKvCache", config)),
+      : LayerLengths("RingKvCache", detail::check_config("RingKvCache", config)),
+        HeadScales(layers()),
         window_(config.window),
         sinks_(config.sinks),
         ring_(config.window + config.slack),
@@ -60,11 +63,12 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
                               std::to_string(config.sinks) + " + " + std::to_string(config.window) + " + " +
                               std::to_string(config.slack));
     }
-    detail::check_footprint("RingKvCache", geometry(), slots(), sizeof(typename storage_codec<T>::unit));
-    init_scales<T>(config);
+    detail::check_footprint("RingKvCache", geometry(), stored_rows(), sizeof(typename storage_codec<T>::unit));
+    init_scales<T>(name(), geometry(), config);
     layers_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) {
-      layers_.push_back(Layer{Rows(batch(), kv_heads(), head_dim(), slots()), std::vector<std::int64_t>(slots(), -1)});
+      layers_.push_back(
+          Layer{Store(batch(), kv_heads(), head_dim(), stored_rows()), std::vector<std::int64_t>(stored_rows(), -1)});
     }
   }
 
@@ -80,8 +84,8 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
   [[nodiscard]] std::size_t window() const noexcept { return window_; }
   [[nodiscard]] std::size_t sinks() const noexcept { return sinks_; }
-  /// Positions the ring stores per layer: sinks + window + slack.
-  [[nodiscard]] std::size_t slots() const noexcept { return sinks_ + ring_; }
+  /// Rows the ring stores per layer and batch row: sinks + window + slack, a position each.
+  [[nodiscard]] std::size_t stored_rows() const noexcept { return sinks_ + ring_; }
   /// Bytes allocated for K and V: the ring and the staging areas.
   [[nodiscard]] std::size_t bytes() const noexcept {
     std::size_t total = scale_bytes();
@@ -92,7 +96,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   /// Forgets everything after `length` tokens, copying nothing. Works while every layer still
   /// holds the positions a query at `length` needs (the window before it): `slack` guarantees
   /// that for any `length` at most slack + 1 tokens short of the furthest length the layer has
-  /// reached (a rollback does not give back the slots the forgotten tokens overwrote), and any
+  /// reached (a rollback does not give back the rows the forgotten tokens overwrote), and any
   /// rollback into the last chunk. Throws std::out_of_range otherwise, or if a layer holds
   /// fewer than `length` tokens, leaving the cache unchanged.
   void truncate(std::size_t length) {
@@ -127,7 +131,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   }
 
   /// Moves a staged chunk into the ring and gives back the staging areas (bytes() falls to the
-  /// ring's), and the memory of the slots no position reaches yet (whole pages; Linux), which
+  /// ring's), and the memory of the rows no position reaches yet (whole pages; Linux), which
   /// later updates take again. A mutating call on every layer; a truncate() after it rolls back
   /// as far as `slack` allows (a staged chunk no longer can be).
   void shrink_to_fit() noexcept {
@@ -135,13 +139,13 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
       Layer& state = layers_[l];
       fold_staged(state, length(l));
       state.staging = Staging{};
-      // The slots after the last one a held position is in: a ring that has not wrapped yet.
-      std::size_t unused = slots();
+      // The rows after the last one a held position is in: a ring that has not wrapped yet.
+      std::size_t unused = stored_rows();
       while (unused > 0 && (state.positions[unused - 1] < 0 ||
                             static_cast<std::size_t>(state.positions[unused - 1]) >= state.stored_end)) {
         --unused;
       }
-      state.rows.release(unused, slots() - unused);
+      state.rows.release(unused, stored_rows() - unused);
     }
   }
 
@@ -156,21 +160,20 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
 
  private:
   friend class detail::ComputeTypeUpdates<RingKvCache<T>, T>;
-  using Rows = detail::RowStore<T>;
+  using Store = detail::RowStore<T>;
 
   struct Staging {
     Staging() = default;
     Staging(const detail::Geometry& g, std::size_t count)
-        : rows(g.batch, g.kv_heads, g.head_dim, count, {.zero_fill = false}), positions(count), tokens(count) {}
-    Rows rows;
-    std::vector<std::int64_t> positions;
-    std::size_t tokens = 0;  // tokens the staging area can hold
+        : rows(g.batch, g.kv_heads, g.head_dim, count, {.zero_fill = false}), positions(count) {}
+    Store rows;
+    std::vector<std::int64_t> positions;  // as many as the staging area holds tokens
   };
 
   struct Layer {
-    Rows rows;                            // [B, H, slots]
-    std::vector<std::int64_t> positions;  // the position each slot holds
-    std::size_t stored_end = 0;           // positions below this are in slots (if not overwritten)
+    Store rows;                           // [B, H, rows]
+    std::vector<std::int64_t> positions;  // the position each row holds
+    std::size_t stored_end = 0;           // positions below this are in rows (if not overwritten)
     std::size_t oldest = 0;               // no position >= max(sinks, oldest) below stored_end is overwritten
     Staging staging{};                    // positions [stored_end, length) when a chunk was staged
     std::array<Segment<T>, 4> segments{};
@@ -180,7 +183,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   friend struct detail::StateAccess;
 
   // State files (state_file.hpp): per layer, RING (where the ring stands, the position each
-  // slot holds, the staged chunk's positions), ROWS (every slot) and STAG (the staged rows).
+  // row holds, the staged chunk's positions), ROWS (every row) and STAG (the staged rows).
   [[nodiscard]] KvCacheConfig state_config() const noexcept {
     return {.layers = layers(),
             .batch = batch(),
@@ -199,11 +202,11 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
       out.section("RING", l, [&](auto& fields) {
         fields.u64(state.stored_end);
         fields.u64(state.oldest);
-        fields.u64(state.staging.tokens);
+        fields.u64(state.staging.positions.size());
         fields.i64s(state.positions);
         fields.i64s(std::span<const std::int64_t>(state.staging.positions.data(), staged));
       });
-      out.rows("ROWS", l, state.rows, 0, slots());
+      out.rows("ROWS", l, state.rows, 0, stored_rows());
       out.rows("STAG", l, state.staging.rows, 0, staged);
     }
   }
@@ -218,7 +221,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     loaded.reserve(layers_.size());
     for (std::size_t l = 0; l < layers_.size(); ++l) {
       const std::size_t length = in.lengths()[l];
-      auto fields = in.section("RING", l, 3 * 8 + (slots() + length) * 8);
+      auto fields = in.section("RING", l, 3 * 8 + (stored_rows() + length) * 8);
       const auto check = [&](const char* field, bool ok, const std::string& expected, auto found) {
         fields.require(ok, field, expected, std::to_string(found));
       };
@@ -237,21 +240,21 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
       // Without a capacity nothing bounds the saved area but the file's own staged tokens: those
       // are allocated, and a later larger chunk grows the area as it would have.
       const std::size_t area = capacity_ == std::numeric_limits<std::size_t>::max() ? staged : staging_tokens;
-      std::vector<std::int64_t> positions = fields.i64s("slot positions", slots());
-      for (std::size_t slot = 0; slot < positions.size(); ++slot) {
-        const std::int64_t p = positions[slot];  // -1: never written
-        check("slot positions", p == -1 || (p >= 0 && slot_of(static_cast<std::size_t>(p)) == slot),
-              "-1 or a position that slot " + std::to_string(slot) + " holds", p);
+      std::vector<std::int64_t> positions = fields.i64s("row positions", stored_rows());
+      for (std::size_t row = 0; row < positions.size(); ++row) {
+        const std::int64_t p = positions[row];  // -1: never written
+        check("row positions", p == -1 || (p >= 0 && row_of(static_cast<std::size_t>(p)) == row),
+              "-1 or a position that row " + std::to_string(row) + " holds", p);
       }
-      // What a history reads from the slots (the sinks, and from oldest on) must be there: each
-      // of those positions in its own slot, so no more of them than the ring has slots.
+      // What a history reads from the rows (the sinks, and from oldest on) must be there: each
+      // of those positions in its own row, so no more of them than the ring has rows.
       const std::size_t held_from = std::max(sinks_, oldest);
       check("oldest", stored_end <= held_from || stored_end - held_from <= ring_,
-            ">= stored_end - " + std::to_string(ring_) + " (the slots after the sinks)", oldest);
+            ">= stored_end - " + std::to_string(ring_) + " (the rows after the sinks)", oldest);
       const auto expect_held = [&](std::size_t p) {
-        check("slot positions", positions[slot_of(p)] == static_cast<std::int64_t>(p),
-              std::to_string(p) + " in slot " + std::to_string(slot_of(p)) + ", which a history reads",
-              positions[slot_of(p)]);
+        check("row positions", positions[row_of(p)] == static_cast<std::int64_t>(p),
+              std::to_string(p) + " in row " + std::to_string(row_of(p)) + ", which a history reads",
+              positions[row_of(p)]);
       };
       for (std::size_t p = 0; p < std::min(sinks_, stored_end); ++p) expect_held(p);
       for (std::size_t p = held_from; p < stored_end; ++p) expect_held(p);
@@ -269,7 +272,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
       }
       loaded.push_back({stored_end, oldest, std::move(positions), std::move(staging)});
       // The ring's own rows directly: the loader reads them first where they hold tokens.
-      in.rows("ROWS", l, layers_[l].rows, 0, slots());
+      in.rows("ROWS", l, layers_[l].rows, 0, stored_rows());
       in.rows("STAG", l, loaded.back().staging.rows, 0, staged);
     }
     return [this, loaded = std::move(loaded)]() mutable noexcept {
@@ -286,21 +289,21 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   History<T> store(std::size_t layer, const TensorView<const In>& k, const TensorView<const In>& v,
                    const Positions& positions) {
     const std::size_t length = check_update(layer, k, v, positions, capacity_);
-    check_values<T>(layer, k, v);
+    check_values<T>(name(), layer, k, v);
     Layer& state = layers_[layer];
     const std::size_t tokens = k.tokens();
     // Writing position p overwrites p - ring: safe while that is older than the chunk's first
     // query's window, that is for chunks of at most slack + 1 tokens.
     const bool direct = tokens <= ring_ - window_ + 1;
     Staging grown;
-    if (!direct && tokens > state.staging.tokens) grown = Staging(geometry(), tokens);  // may throw
+    if (!direct && tokens > state.staging.positions.size()) grown = Staging(geometry(), tokens);  // may throw
     // Nothing below throws.
     fold_staged(state, length);
-    if (grown.tokens != 0) state.staging = std::move(grown);
+    if (!grown.positions.empty()) state.staging = std::move(grown);
     std::size_t clipped = 0;
     if (direct) {
-      write(state, length, tokens, [&](std::size_t from, std::size_t count, std::size_t slot) {
-        clipped += state.rows.encode(k, v, from, count, slot, head_scale_view(layer));
+      write(state, length, tokens, [&](std::size_t from, std::size_t count, std::size_t row) {
+        clipped += state.rows.encode(k, v, from, count, row, head_scale_view(layer));
       });
     } else {
       clipped = state.staging.rows.encode(k, v, 0, tokens, 0, head_scale_view(layer));
@@ -311,26 +314,26 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
     return history(state, state.segments, head_scale_view(layer), length, length + tokens);
   }
 
-  [[nodiscard]] std::size_t slot_of(std::size_t position) const noexcept {
+  [[nodiscard]] std::size_t row_of(std::size_t position) const noexcept {
     return position < sinks_ ? position : sinks_ + (position - sinks_) % ring_;
   }
 
-  /// Stores `tokens` positions from `first` on in their slots, skipping those that later
-  /// positions of the same block would overwrite: put(i, count, slot) stores the block's tokens
-  /// [i, i + count) in slots [slot, slot + count).
+  /// Stores `tokens` positions from `first` on in their rows, skipping those that later
+  /// positions of the same block would overwrite: put(i, count, row) stores the block's tokens
+  /// [i, i + count) in rows [row, row + count).
   template <class Put>
   void write(Layer& state, std::size_t first, std::size_t tokens, const Put& put) {
     const std::size_t end = first + tokens;
-    const auto store_run = [&](std::size_t from, std::size_t to) {  // contiguous slots
-      const std::size_t slot = slot_of(from);
+    const auto store_run = [&](std::size_t from, std::size_t to) {  // contiguous rows
+      const std::size_t row = row_of(from);
       const std::size_t count = to - from;
-      put(from - first, count, slot);
-      for (std::size_t i = 0; i < count; ++i) state.positions[slot + i] = static_cast<std::int64_t>(from + i);
+      put(from - first, count, row);
+      for (std::size_t i = 0; i < count; ++i) state.positions[row + i] = static_cast<std::int64_t>(from + i);
     };
     if (first < sinks_) store_run(first, std::min(end, sinks_));
     std::size_t from = std::max({first, sinks_, end > ring_ ? end - ring_ : 0});
     while (from < end) {
-      const std::size_t until_wrap = sinks_ + ring_ - slot_of(from);
+      const std::size_t until_wrap = sinks_ + ring_ - row_of(from);
       const std::size_t to = std::min(end, from + until_wrap);
       store_run(from, to);
       from = to;
@@ -343,8 +346,8 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   void fold_staged(Layer& state, std::size_t length) {
     const std::size_t staged = length - state.stored_end;
     if (staged == 0) return;
-    write(state, state.stored_end, staged, [&](std::size_t from, std::size_t count, std::size_t slot) {
-      state.rows.copy(state.staging.rows, from, count, slot);
+    write(state, state.stored_end, staged, [&](std::size_t from, std::size_t count, std::size_t row) {
+      state.rows.copy(state.staging.rows, from, count, row);
     });
   }
 
@@ -354,18 +357,18 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
   History<T> history(Layer& state, std::array<Segment<T>, 4>& segments, detail::HeadScaleView scales,
                      std::size_t first_query, std::size_t length) {
     std::size_t count = 0;
-    const auto add_slots = [&](std::size_t slot, std::size_t tokens) {
-      segments[count++] = state.rows.segment(slot, tokens, Positions(state.positions.data() + slot, tokens), scales);
+    const auto add_rows = [&](std::size_t row, std::size_t tokens) {
+      segments[count++] = state.rows.segment(row, tokens, Positions(state.positions.data() + row, tokens), scales);
     };
-    if (const std::size_t sink_count = std::min(sinks_, state.stored_end); sink_count != 0) add_slots(0, sink_count);
+    if (const std::size_t sink_count = std::min(sinks_, state.stored_end); sink_count != 0) add_rows(0, sink_count);
     const std::size_t window_start = first_query + 1 > window_ ? first_query + 1 - window_ : 0;
     const std::size_t from = std::max({sinks_, state.oldest, window_start});
     if (state.stored_end > from) {
       const std::size_t held = state.stored_end - from;
-      const std::size_t first_slot = slot_of(from);
-      const std::size_t before_wrap = std::min(held, sinks_ + ring_ - first_slot);
-      add_slots(first_slot, before_wrap);
-      if (held > before_wrap) add_slots(sinks_, held - before_wrap);
+      const std::size_t first_row = row_of(from);
+      const std::size_t before_wrap = std::min(held, sinks_ + ring_ - first_row);
+      add_rows(first_row, before_wrap);
+      if (held > before_wrap) add_rows(sinks_, held - before_wrap);
     }
     if (length > state.stored_end) {
       const std::size_t staged = length - state.stored_end;
@@ -378,7 +381,7 @@ class RingKvCache : public detail::CacheBase, public detail::ComputeTypeUpdates<
 
   std::size_t window_;
   std::size_t sinks_;
-  std::size_t ring_;  // window + slack: slots after the sinks
+  std::size_t ring_;  // window + slack: rows after the sinks
   std::size_t capacity_;
   std::vector<Layer> layers_;
 };

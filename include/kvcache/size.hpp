@@ -23,7 +23,7 @@ template <storage_format T>
 [[nodiscard]] constexpr std::size_t kv_bytes_per_token(std::size_t layers, std::size_t kv_heads,
                                                        std::size_t head_dim) noexcept {
   using Codec = storage_codec<T>;
-  const std::size_t scale = Codec::row_scales && !detail::has_head_scales<T> ? sizeof(float) : 0;
+  const std::size_t scale = detail::has_row_scales<T> ? sizeof(float) : 0;
   return 2 * layers * kv_heads * (Codec::units(head_dim) * sizeof(typename Codec::unit) + scale);
 }
 

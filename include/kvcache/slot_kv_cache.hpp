@@ -49,7 +49,8 @@ inline namespace KVCACHE_ABI {
 /// tokens, 0 for none). A chunk that wraps a slot's ring may be at most slack + 1 tokens: size
 /// `slack` for the largest chunk.
 template <class T>
-class SlotKvCache : public detail::CacheBase,
+class SlotKvCache : public detail::CacheGeometry,
+                    public detail::HeadScales,
                     public detail::ComputeTypeUpdates<SlotKvCache<T>, T>,
                     public detail::RowUpdates<SlotKvCache<T>, T> {
   static_assert(detail::check_codec<T>(), "SlotKvCache<T>: T must be a storage format (a type with a storage_codec).");
@@ -61,7 +62,8 @@ class SlotKvCache : public detail::CacheBase,
   /// layer, all free; throws std::invalid_argument for a zero size, or sinks or slack without a
   /// window, std::length_error for a size whose bytes overflow std::size_t.
   explicit SlotKvCache(const KvCacheConfig& config)
-      : CacheBase("SlotKvCache", check_config(config)),
+      : CacheGeometry("SlotKvCache", check_config(config)),
+        HeadScales(layers()),
         window_(config.window),
         sinks_(config.sinks),
         ring_(config.window + config.slack),
@@ -79,7 +81,7 @@ class SlotKvCache : public detail::CacheBase,
     std::iota(positions_.begin(), positions_.end(), std::int64_t{0});
     std::iota(every_row_.begin(), every_row_.end(), std::size_t{0});
     std::fill(acquired_.begin(), acquired_.end(), 0);
-    init_scales<T>(config);
+    init_scales<T>(name(), geometry(), config);
     rows_.reserve(layers());
     for (std::size_t l = 0; l < layers(); ++l) rows_.emplace_back(batch(), kv_heads(), head_dim(), rows_per_slot_);
     if (window_ != 0) {
@@ -137,17 +139,17 @@ class SlotKvCache : public detail::CacheBase,
   /// Tokens the longest row holds; std::runtime_error if a row's layers disagree.
   [[nodiscard]] std::size_t length() const {
     std::size_t longest = 0;
-    for (std::size_t row = 0; row < slots(); ++row) longest = std::max(longest, length(row));
+    for (std::size_t row = 0; row < slots(); ++row) longest = std::max(longest, row_length(row));
     return longest;
   }
   /// Tokens `row` holds in every layer; std::out_of_range for a row past the slots,
   /// std::runtime_error naming the layers if they disagree (a forward pass stopped part-way).
-  [[nodiscard]] std::size_t length(std::size_t row) const {
-    check_row("SlotKvCache::length", "row", row);
+  [[nodiscard]] std::size_t row_length(std::size_t row) const {
+    check_row("SlotKvCache::row_length", "row", row);
     const std::size_t first = layers() == 0 ? 0 : lengths_[at(0, row)];
     for (std::size_t l = 1; l < layers(); ++l) {
       if (lengths_[at(l, row)] != first) {
-        throw std::runtime_error("SlotKvCache::length: row " + std::to_string(row) +
+        throw std::runtime_error("SlotKvCache::row_length: row " + std::to_string(row) +
                                  ": layers disagree (a forward pass stopped part-way): expected every layer to hold "
                                  "the same number of tokens, given " +
                                  detail::describe_layer_lengths(layer_lengths(row)) +
@@ -157,9 +159,9 @@ class SlotKvCache : public detail::CacheBase,
     return first;
   }
   /// Tokens `row` holds in `layer`; std::out_of_range for either out of range.
-  [[nodiscard]] std::size_t length(std::size_t row, std::size_t layer) const {
-    check_row("SlotKvCache::length", "row", row);
-    if (layer >= layers()) detail::check_layer("SlotKvCache::length", layer, layers());
+  [[nodiscard]] std::size_t row_length(std::size_t row, std::size_t layer) const {
+    check_row("SlotKvCache::row_length", "row", row);
+    if (layer >= layers()) detail::check_layer("SlotKvCache::row_length", layer, layers());
     return lengths_[at(layer, row)];
   }
 
@@ -510,7 +512,7 @@ class SlotKvCache : public detail::CacheBase,
             std::to_string(tokens)));
       }
     }
-    check_values<T>(layer, k, v);
+    check_values<T>(name(), layer, k, v);
 
     std::size_t clipped = 0;
     for (std::size_t i = 0; i < rows.size(); ++i) {

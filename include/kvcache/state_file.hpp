@@ -12,7 +12,7 @@
 // length, its bytes and their CRC-32C. HEAD says which variant, storage format, shape and config
 // wrote it; META is the caller's metadata string; BASE the tokens of each layer (and the head
 // scales of formats that keep them); then each variant's own sections (the rows of every layer,
-// a ring's slot positions and staged chunk, a slot cache's slots, a paged sequence's token ids).
+// a ring's row positions and staged chunk, a slot cache's slots, a paged sequence's token ids).
 // A PagedKvCache saves one sequence, not its pool, and loads into an empty sequence of a pool of
 // the same geometry, taking fresh blocks. docs/state.md describes every field, what a load
 // checks, and how a new variant joins.
@@ -60,7 +60,6 @@ inline namespace KVCACHE_ABI {
 
 /// What a state file says of itself, read by read_state_info() without its data.
 struct StateInfo {
-  std::uint32_t version = 0;
   std::string variant;  // the cache's name: "KvCache", "RingKvCache", "SlotKvCache", "PagedKvCache", ...
   std::string format;   // the storage format's name: "float", "bfloat16", "fp8_e4m3", ... (a file written
                         // while fp8_e4m3 kept a scale per head says "fp8_e4m3_heads": it loads there)
@@ -201,7 +200,6 @@ class PayloadReader {
   void require(bool ok, const char* field, const std::string& expected, const std::string& found) const {
     if (!ok) throw std::runtime_error(file_error(where(field), expected, found));
   }
-  [[nodiscard]] const std::string& name() const noexcept { return name_; }
   /// The payload's bytes, read or not.
   [[nodiscard]] std::size_t size() const noexcept { return bytes_.size(); }
   /// "section RING[3]: stored_end" for messages.
@@ -239,44 +237,39 @@ class PayloadReader {
   std::size_t at_ = 0;
 };
 
-/// Appends to `runs` the stored bytes of slots [slot, slot + count) of stored row `row` (or of
-/// every row), joined where they abut.
+/// Appends to `runs` the stored bytes of tokens [first, first + count) of every stored row,
+/// joined where they abut.
 template <class Byte, class Store>
-void append_runs(std::vector<std::span<Byte>>& runs, Store& rows, std::size_t slot, std::size_t count,
-                 std::size_t row) {
-  std::remove_const_t<Store>::for_each_run(
-      rows, slot, count,
-      [&](auto* data, std::size_t n) {
-        auto* bytes = reinterpret_cast<Byte*>(data);
-        if (!runs.empty() && runs.back().data() + runs.back().size() == bytes) {
-          runs.back() = {runs.back().data(), runs.back().size() + n};
-        } else {
-          runs.emplace_back(bytes, n);
-        }
-      },
-      row);
+void append_runs(std::vector<std::span<Byte>>& runs, Store& rows, std::size_t first, std::size_t count) {
+  std::remove_const_t<Store>::for_each_run(rows, first, count, [&](auto* data, std::size_t n) {
+    auto* bytes = reinterpret_cast<Byte*>(data);
+    if (!runs.empty() && runs.back().data() + runs.back().size() == bytes) {
+      runs.back() = {runs.back().data(), runs.back().size() + n};
+    } else {
+      runs.emplace_back(bytes, n);
+    }
+  });
 }
 
-/// The stored bytes of slots [slot, slot + count) of `rows` (a RowStore, const or not) as runs
-/// of bytes, those that abut in memory joined: a layer whose slots are all held is one run of
+/// The stored bytes of tokens [first, first + count) of `rows` (a RowStore, const or not) as runs
+/// of bytes, those that abut in memory joined: a layer whose tokens are all held is one run of
 /// keys and one of values, read or written by one call each.
 template <class Byte, class Store>
-std::vector<std::span<Byte>> joined_runs(Store& rows, std::size_t slot, std::size_t count) {
+std::vector<std::span<Byte>> joined_runs(Store& rows, std::size_t first, std::size_t count) {
   std::vector<std::span<Byte>> runs;
-  append_runs(runs, rows, slot, count, std::remove_const_t<Store>::kEveryRow);
+  append_runs(runs, rows, first, count);
   return runs;
 }
 
 /// The stored bytes of a paged sequence's first `tokens` tokens: `block_tokens` a block, block
-/// j in slots [blocks[j] x block_tokens, ...) of `rows`, each block's runs as joined_runs gives
+/// j at tokens [blocks[j] x block_tokens, ...) of `rows`, each block's runs as joined_runs gives
 /// them, in order.
 template <class Byte, class Store>
 std::vector<std::span<Byte>> block_runs(Store& rows, std::span<const std::size_t> blocks, std::size_t block_tokens,
                                         std::size_t tokens) {
   std::vector<std::span<Byte>> runs;
   for (std::size_t j = 0; j * block_tokens < tokens; ++j) {
-    append_runs(runs, rows, blocks[j] * block_tokens, std::min(block_tokens, tokens - j * block_tokens),
-                std::remove_const_t<Store>::kEveryRow);
+    append_runs(runs, rows, blocks[j] * block_tokens, std::min(block_tokens, tokens - j * block_tokens));
   }
   return runs;
 }
@@ -309,11 +302,11 @@ class StateWriter {
     section(tag, kWholeCache, fill);
   }
 
-  /// A data section: the stored bytes of slots [slot, slot + count) of `rows`, written from
+  /// A data section: the stored bytes of tokens [first, first + count) of `rows`, written from
   /// the cache's storage itself.
   template <class T>
-  void rows(std::string_view tag, std::size_t index, const RowStore<T>& rows, std::size_t slot, std::size_t count) {
-    write_runs(tag, index, joined_runs<const char>(rows, slot, count));
+  void rows(std::string_view tag, std::size_t index, const RowStore<T>& rows, std::size_t first, std::size_t count) {
+    write_runs(tag, index, joined_runs<const char>(rows, first, count));
   }
   /// A data section: a paged sequence's first `tokens` tokens, in `block_tokens`-token blocks
   /// held in the stored rows `blocks` of `rows`.
@@ -375,9 +368,7 @@ class StateReader {
       throw std::runtime_error(
           file_error("version", std::to_string(kStateVersion) + " (what this kvcache reads)", std::to_string(version)));
     }
-    version_ = version;
   }
-  [[nodiscard]] std::uint32_t version() const noexcept { return version_; }
 
   /// A small section of at most `max_bytes`, its checksum verified.
   PayloadReader section(std::string_view tag, std::size_t index, std::size_t max_bytes) {
@@ -403,11 +394,11 @@ class StateReader {
   /// A small section of the whole cache.
   PayloadReader section(std::string_view tag, std::size_t max_bytes) { return section(tag, kWholeCache, max_bytes); }
 
-  /// A data section holding the stored bytes of slots [slot, slot + count) of `rows`, read
+  /// A data section holding the stored bytes of tokens [first, first + count) of `rows`, read
   /// into them as the data mode says.
   template <class T>
-  void rows(std::string_view tag, std::size_t index, RowStore<T>& rows, std::size_t slot, std::size_t count) {
-    read_runs_into(tag, index, joined_runs<char>(rows, slot, count));
+  void rows(std::string_view tag, std::size_t index, RowStore<T>& rows, std::size_t first, std::size_t count) {
+    read_runs_into(tag, index, joined_runs<char>(rows, first, count));
   }
   /// A data section holding a paged sequence's first `tokens` tokens, read into the stored rows
   /// `blocks` of `rows`, `block_tokens` a block, as the data mode says.
@@ -573,7 +564,6 @@ class StateReader {
 
   std::istream& in_;
   std::uint64_t offset_ = 0;  // bytes read so far, for messages
-  std::uint32_t version_ = 0;
   Data data_ = Data::direct;
   std::span<const std::size_t> lengths_;
   std::span<const float> key_scales_, value_scales_;
@@ -593,7 +583,7 @@ struct StateHead {
   KvCacheConfig config;
 };
 
-/// What BASE holds: CacheBase's state.
+/// What BASE holds: the layer lengths, head scales and clipped counts.
 struct StateBase {
   std::vector<std::size_t> lengths;
   std::vector<std::size_t> clipped;  // per layer
@@ -682,7 +672,6 @@ inline StateInfo read_state_info(std::istream& in) {
   detail::StateReader reader(in);
   reader.begin();
   StateInfo info;
-  info.version = reader.version();
   detail::StateHead head = detail::read_head(reader);
   info.variant = std::move(head.variant);
   info.format = std::move(head.format);
@@ -704,7 +693,7 @@ inline StateInfo read_state_info(const std::filesystem::path& path) {
 
 namespace detail {
 
-/// Reads and restores the private state of CacheBase and of every variant that joins state
+/// Reads and restores the private state of the shared pieces and of every variant that joins state
 /// files. A variant joins with three private members and `friend struct detail::StateAccess;`:
 ///
 ///   KvCacheConfig state_config() const;        // the counts it was built with
@@ -712,7 +701,7 @@ namespace detail {
 ///   template <class In> auto load_sections(In& in);            // reads them back: returns a
 ///                                                              // noexcept callable that commits
 ///
-/// save_sections writes with out.section(tag, layer, fill) and out.rows(tag, layer, rows, slot,
+/// save_sections writes with out.section(tag, layer, fill) and out.rows(tag, layer, rows, first,
 /// count); load_sections reads the same sections in the same order with in.section(tag, layer,
 /// max_bytes) and in.rows(...), checks what it reads, allocates what it needs, and changes
 /// nothing in the cache until the callable it returns is called. in.lengths() are the tokens of
@@ -726,12 +715,12 @@ struct StateAccess {
   template <class Cache>
   static StateHead head(const Cache& cache) {
     using T = typename Cache::value_type;
-    const CacheBase& base = cache;
+    const CacheGeometry& base = cache;
     return {std::string(base.name_),
             format_name<T>(),
             sizeof(typename storage_codec<T>::unit),
             storage_codec<T>::units(base.head_dim()),
-            storage_codec<T>::row_scales && !has_head_scales<T>,
+            has_row_scales<T>,
             has_head_scales<T>,
             false,
             cache.state_config()};
@@ -739,7 +728,7 @@ struct StateAccess {
 
   /// Where a cache's head scales and clipped counts live: a paged sequence's, in its pool.
   template <class Cache>
-  static const CacheBase& scale_owner(const Cache& cache) {
+  static const HeadScales& scale_owner(const Cache& cache) {
     if constexpr (requires { cache.state_scale_owner(); }) {
       return cache.state_scale_owner();
     } else {
@@ -749,10 +738,9 @@ struct StateAccess {
 
   template <class Cache>
   static void save_base(const Cache& cache, StateWriter& out) {
-    const CacheBase& own = cache;
-    const CacheBase& scales = scale_owner(cache);
+    const HeadScales& scales = scale_owner(cache);
     out.section("BASE", kWholeCache, [&](PayloadWriter& p) {
-      for (const std::size_t n : own.lengths_) p.u64(n);
+      for (const std::size_t n : layer_lengths(cache)) p.u64(n);
       for (const std::size_t n : scales.clipped_) p.u64(n);
       p.u8(scales.scales_.empty() ? 0 : 1);  // head scales are given in the config
       for (const auto& l : scales.scales_) p.f32s(l.keys);
@@ -760,17 +748,31 @@ struct StateAccess {
     });
   }
 
-  /// CacheBase's state as the cache will hold it, allocated before anything changes.
+  /// The tokens of each layer: 0 for a cache whose rows each have their own (SlotKvCache's
+  /// section holds them).
+  template <class Cache>
+  static std::vector<std::size_t> layer_lengths(const Cache& cache) {
+    if constexpr (std::is_base_of_v<LayerLengths, Cache>) {
+      return static_cast<const LayerLengths&>(cache).lengths_;
+    } else {
+      return std::vector<std::size_t>(cache.layers(), 0);
+    }
+  }
+
+  /// BASE's state as the cache will hold it, allocated before anything changes.
   struct LoadedBase {
     std::vector<std::size_t> lengths;
-    std::vector<CacheBase::LayerScales> scales;
+    std::vector<HeadScales::LayerScales> scales;
     std::vector<std::size_t> clipped;
   };
   /// Takes BASE's lengths, clipped counts and head scales (the file's rows were encoded with
   /// them); a head scale of 0, which a file of an earlier version keeps for a head no update
   /// had set, leaves the cache's own.
-  static LoadedBase load_base(const CacheBase& cache, StateBase& base) {
-    LoadedBase loaded{std::move(base.lengths), cache.scales_, std::move(base.clipped)};
+  /// A paged sequence's scales and clipped counts stay its pool's.
+  template <class Cache>
+  static LoadedBase load_base(const Cache& cache, StateBase& base) {
+    LoadedBase loaded{std::move(base.lengths), {}, std::move(base.clipped)};
+    if constexpr (std::is_base_of_v<HeadScales, Cache>) loaded.scales = static_cast<const HeadScales&>(cache).scales_;
     const std::size_t heads = cache.kv_heads();
     for (std::size_t l = 0; l < loaded.scales.size(); ++l) {
       for (std::size_t h = 0; h < heads; ++h) {
@@ -781,13 +783,24 @@ struct StateAccess {
     }
     return loaded;
   }
-  static void commit_base(CacheBase& cache, LoadedBase&& loaded) noexcept {
-    cache.lengths_ = std::move(loaded.lengths);
-    cache.scales_ = std::move(loaded.scales);
-    cache.clipped_ = std::move(loaded.clipped);
+  template <class Cache>
+  static void commit_base(Cache& cache, LoadedBase&& loaded) noexcept {
+    if constexpr (std::is_base_of_v<LayerLengths, Cache>)
+      static_cast<LayerLengths&>(cache).lengths_ = std::move(loaded.lengths);
+    if constexpr (std::is_base_of_v<HeadScales, Cache>) {
+      static_cast<HeadScales&>(cache).scales_ = std::move(loaded.scales);
+      static_cast<HeadScales&>(cache).clipped_ = std::move(loaded.clipped);
+    }
   }
-  [[nodiscard]] static bool holds_tokens(const CacheBase& cache) noexcept {
-    return std::any_of(cache.lengths_.begin(), cache.lengths_.end(), [](std::size_t n) { return n != 0; });
+  /// Whether a layer holds tokens (a SlotKvCache's section checks its rows itself).
+  template <class Cache>
+  [[nodiscard]] static bool holds_tokens(const Cache& cache) noexcept {
+    if constexpr (std::is_base_of_v<LayerLengths, Cache>) {
+      const auto& lengths = static_cast<const LayerLengths&>(cache).lengths_;
+      return std::any_of(lengths.begin(), lengths.end(), [](std::size_t n) { return n != 0; });
+    } else {
+      return false;
+    }
   }
   template <class Cache>
   static void save_sections(const Cache& cache, StateWriter& out) {

@@ -201,7 +201,6 @@ class Positions {
 
   [[nodiscard]] constexpr const std::int64_t* data() const noexcept { return data_; }
   [[nodiscard]] constexpr std::size_t tokens() const noexcept { return tokens_; }
-  [[nodiscard]] constexpr std::size_t size() const noexcept { return tokens_; }
   [[nodiscard]] constexpr std::size_t row_stride() const noexcept { return row_stride_; }
   /// Whether rows have lists of their own.
   [[nodiscard]] constexpr bool per_row() const noexcept { return row_stride_ != 0; }

@@ -142,7 +142,7 @@ class CacheHandle final : public kvcache_cache {
     if constexpr (kVariantOf<Cache> == KVCACHE_VARIANT_SLOT) {
       if (layer >= cache_.layers()) detail::check_layer("kvcache_layer_length", layer, cache_.layers());
       std::size_t longest = 0;
-      for (std::size_t row = 0; row < cache_.slots(); ++row) longest = std::max(longest, cache_.length(row, layer));
+      for (std::size_t row = 0; row < cache_.slots(); ++row) longest = std::max(longest, cache_.row_length(row, layer));
       return longest;
     } else {
       return cache_.length(layer);
@@ -182,7 +182,7 @@ class CacheHandle final : public kvcache_cache {
     }
   }
   [[nodiscard]] std::size_t row_length(std::size_t row) const override {
-    if constexpr (kVariantOf<Cache> == KVCACHE_VARIANT_SLOT) return cache_.length(row);
+    if constexpr (kVariantOf<Cache> == KVCACHE_VARIANT_SLOT) return cache_.row_length(row);
     refuse("kvcache_row_length", "a SlotKvCache (KVCACHE_VARIANT_SLOT)");
   }
   void truncate_row(std::size_t row, std::size_t length) override {

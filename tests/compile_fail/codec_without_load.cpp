@@ -11,7 +11,7 @@ template <>
 struct kvcache::storage_codec<MyFormat> {
   using unit = std::uint8_t;
   using acc = float;
-  static constexpr bool row_scales = false;
+  static constexpr kvcache::scales_kept scales = kvcache::scales_kept::none;
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
   template <class In>
   static float encode(const In*, unit*, std::size_t) noexcept {

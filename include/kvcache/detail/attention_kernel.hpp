@@ -141,7 +141,7 @@ class AttentionKernel {
   // queries and the V weights, the rest in the scores and the output, so that products of small
   // values stay in float's normal range (and survive flush-to-zero).
   static constexpr int kLoadExponent = load_exponent<T>();
-  static_assert(kLoadExponent == 0 || Codec::row_scales, "a load exponent is put back with the row scales");
+  static_assert(kLoadExponent == 0 || reads_scales<Codec>, "a load exponent is put back with the row scales");
   static constexpr Acc kLowerHalf = power_of_two<Acc>(kLoadExponent / 2);
   static constexpr Acc kUpperHalf = power_of_two<Acc>(kLoadExponent - kLoadExponent / 2);
   static constexpr Acc kUnload = power_of_two<Acc>(-kLoadExponent);  // for values read one at a time
@@ -345,12 +345,12 @@ class AttentionKernel {
     w.active.clear();
     for (r = 0; r < rows; ++r) {
       Acc* scores = w.scores.data() + r * scores_stride();
-      if constexpr (Codec::row_scales) {
+      if constexpr (reads_scales<Codec>) {
         for (std::size_t j = 0; j < n; ++j) scores[j] *= keys.key_scale(j) * kUpperHalf;
       }
       mask(w.query_positions[r], keys, scores);
       if (!softmax_step(scores, n, w.max[r], w.sum[r], w.acc.data() + r * dim_)) continue;
-      if constexpr (Codec::row_scales) {
+      if constexpr (reads_scales<Codec>) {
         for (std::size_t j = 0; j < n; ++j) scores[j] *= keys.value_scale(j) * kLowerHalf;
       }
       w.active.push_back(r);

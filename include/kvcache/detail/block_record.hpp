@@ -59,7 +59,7 @@ BlockSpace block_space(std::string_view model, std::size_t block_tokens, std::si
   p.str(format_name<T>());
   p.u64(sizeof(typename storage_codec<T>::unit));
   p.u64(storage_codec<T>::units(head_dim));
-  p.u8(storage_codec<T>::row_scales && !has_head_scales<T>);
+  p.u8(has_row_scales<T>);
   p.u8(has_head_scales<T>);
   for (const std::size_t n : {block_tokens, layers, kv_heads, head_dim, std::size_t{kBlockRecordVersion}}) p.u64(n);
   p.f32s(key_scales);
@@ -86,16 +86,16 @@ inline std::vector<BlockKey> prompt_keys(const BlockSpace& space, std::span<cons
 
 /// Bytes of a layer's ROWS payload for one block: its keys, values and row scales.
 template <class T>
-std::size_t block_row_bytes(const RowStore<T>& rows, std::size_t slot, std::size_t block_tokens) noexcept {
+std::size_t block_row_bytes(const RowStore<T>& rows, std::size_t first, std::size_t block_tokens) noexcept {
   std::size_t bytes = 0;
-  RowStore<T>::for_each_run(rows, slot, block_tokens, [&](const auto*, std::size_t n) { bytes += n; });
+  RowStore<T>::for_each_run(rows, first, block_tokens, [&](const auto*, std::size_t n) { bytes += n; });
   return bytes;
 }
 
-/// The record of the block whose rows start at `slot` in every layer's `rows`.
+/// The record of the block whose rows start at token `first` in every layer's `rows`.
 template <class T>
 std::string encode_block(const BlockSpace& space, const BlockKey& key, const BlockKey& parent,
-                         std::span<const std::int32_t> ids, const std::vector<RowStore<T>>& rows, std::size_t slot,
+                         std::span<const std::int32_t> ids, const std::vector<RowStore<T>>& rows, std::size_t first,
                          std::size_t block_tokens) {
   PayloadWriter block;
   block.text(std::string_view(reinterpret_cast<const char*>(key.bytes.data()), key.bytes.size()));
@@ -105,7 +105,7 @@ std::string encode_block(const BlockSpace& space, const BlockKey& key, const Blo
 
   std::size_t total = kBlockMagic.size() + sizeof kBlockRecordVersion + 2 * (sizeof(SectionHeader) + 4) +
                       space.payload.size() + block.bytes().size();
-  for (const RowStore<T>& r : rows) total += sizeof(SectionHeader) + 4 + block_row_bytes(r, slot, block_tokens);
+  for (const RowStore<T>& r : rows) total += sizeof(SectionHeader) + 4 + block_row_bytes(r, first, block_tokens);
   std::string out;
   out.reserve(total);
   const auto append = [&](const void* data, std::size_t n) { out.append(static_cast<const char*>(data), n); };
@@ -126,8 +126,8 @@ std::string encode_block(const BlockSpace& space, const BlockKey& key, const Blo
     section(small.first, kWholeCache, bytes.size(), [&](const auto& emit) { emit(bytes.data(), bytes.size()); });
   }
   for (std::size_t l = 0; l < rows.size(); ++l) {
-    section("ROWS", l, block_row_bytes(rows[l], slot, block_tokens), [&](const auto& emit) {
-      RowStore<T>::for_each_run(rows[l], slot, block_tokens, [&](const auto* data, std::size_t n) { emit(data, n); });
+    section("ROWS", l, block_row_bytes(rows[l], first, block_tokens), [&](const auto& emit) {
+      RowStore<T>::for_each_run(rows[l], first, block_tokens, [&](const auto* data, std::size_t n) { emit(data, n); });
     });
   }
   KVCACHE_ASSERT(out.size() == total, "a block record is as long as its sections");
@@ -226,7 +226,7 @@ inline std::string namespace_difference(std::string_view expected, std::string_v
 template <class T>
 std::vector<std::string_view> verify_block(std::string_view record, const BlockSpace& space, const BlockKey& key,
                                            const BlockKey& parent, std::span<const std::int32_t> ids,
-                                           const std::vector<RowStore<T>>& rows, std::size_t slot,
+                                           const std::vector<RowStore<T>>& rows, std::size_t first,
                                            std::size_t block_tokens) {
   RecordCursor in(record);
   const std::string_view magic = in.take(kBlockMagic.size(), "magic");
@@ -271,7 +271,7 @@ std::vector<std::string_view> verify_block(std::string_view record, const BlockS
   layers.reserve(rows.size());
   for (std::size_t l = 0; l < rows.size(); ++l) {
     const std::string_view payload = in.section("ROWS", l);
-    const std::size_t expected = block_row_bytes(rows[l], slot, block_tokens);
+    const std::size_t expected = block_row_bytes(rows[l], first, block_tokens);
     if (payload.size() != expected) {
       throw std::runtime_error(section_name("ROWS", l) + ": payload bytes: expected " + std::to_string(expected) +
                                " (a block of the pool's rows), found " + std::to_string(payload.size()));
@@ -285,13 +285,13 @@ std::vector<std::string_view> verify_block(std::string_view record, const BlockS
   return layers;
 }
 
-/// Copies a verified record's rows (verify_block's payloads) into the block at `slot` of every layer.
+/// Copies a verified record's rows (verify_block's payloads) into the block at token `first` of every layer.
 template <class T>
-void copy_block_rows(std::span<const std::string_view> layers, std::vector<RowStore<T>>& rows, std::size_t slot,
+void copy_block_rows(std::span<const std::string_view> layers, std::vector<RowStore<T>>& rows, std::size_t first,
                      std::size_t block_tokens) noexcept {
   for (std::size_t l = 0; l < rows.size(); ++l) {
     const char* from = layers[l].data();
-    RowStore<T>::for_each_run(rows[l], slot, block_tokens, [&](auto* data, std::size_t n) {
+    RowStore<T>::for_each_run(rows[l], first, block_tokens, [&](auto* data, std::size_t n) {
       std::memcpy(static_cast<void*>(data), from, n);
       from += n;
     });

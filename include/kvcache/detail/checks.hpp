@@ -131,9 +131,9 @@ void check_update_shapes(const Call& call, const Geometry& g, std::size_t batch,
         expected_given(call() + ": v shape", k.shape().str() + " (the shape of k)", v.shape().str()));
   }
   const std::size_t tokens = k.tokens();
-  if (positions.size() != tokens) {
+  if (positions.tokens() != tokens) {
     throw std::invalid_argument(expected_given(call() + ": positions count", "k's tokens " + std::to_string(tokens),
-                                               std::to_string(positions.size())));
+                                               std::to_string(positions.tokens())));
   }
   if (k.shape().size() != 0 && (k.data() == nullptr || v.data() == nullptr || positions.data() == nullptr)) {
     throw std::invalid_argument(call() + ": k, v and positions data: expected non-null pointers for " +

@@ -197,7 +197,7 @@ class KeyCursor {
     run.key_stride = s.keys.strides().tokens;
     run.value_stride = s.values.strides().tokens;
     run.positions = p + first;
-    if constexpr (storage_codec<T>::row_scales) {
+    if constexpr (reads_scales<storage_codec<T>>) {
       run.key_scales = s.key_scales.at(r, h_, from + first);
       run.value_scales = s.value_scales.at(r, h_, from + first);
       run.key_scale_stride = s.key_scales.strides.tokens;

@@ -22,7 +22,7 @@ struct HeadScaleView {
   const float* values = nullptr;
 };
 
-/// K and V rows of format T for a [batch, heads, slots] block, with their scales where the
+/// K and V rows of format T for a [batch, heads, tokens] block, with their scales where the
 /// format has them: what every cache variant keeps its tokens in. Rows are written once from
 /// the engine's values through the codec (encode) and afterwards only copied as stored bytes,
 /// never converted again.
@@ -33,51 +33,51 @@ class RowStore {
   using Unit = typename Codec::unit;
 
   RowStore() = default;
-  RowStore(std::size_t batch, std::size_t heads, std::size_t head_dim, std::size_t slots, BufferOptions options = {})
+  RowStore(std::size_t batch, std::size_t heads, std::size_t head_dim, std::size_t tokens, BufferOptions options = {})
       : batch_(batch),
         heads_(heads),
         head_dim_(head_dim),
         units_(Codec::units(head_dim)),
-        slots_(slots),
-        keys_(batch * heads * slots * units_, options),
-        values_(batch * heads * slots * units_, options),
-        key_scales_(kRowScales ? batch * heads * slots : 0, options),
-        value_scales_(kRowScales ? batch * heads * slots : 0, options) {}
+        tokens_(tokens),
+        keys_(batch * heads * tokens * units_, options),
+        values_(batch * heads * tokens * units_, options),
+        key_scales_(kRowScales ? batch * heads * tokens : 0, options),
+        value_scales_(kRowScales ? batch * heads * tokens : 0, options) {}
 
-  /// for_each_run's row that stands for every stored row.
+  /// for_each_run's and release()'s row that stands for every stored row.
   static constexpr std::size_t kEveryRow = ~std::size_t{0};
 
-  [[nodiscard]] std::size_t slots() const noexcept { return slots_; }
+  /// Tokens each (batch row, head) holds.
+  [[nodiscard]] std::size_t tokens() const noexcept { return tokens_; }
   [[nodiscard]] std::size_t bytes() const noexcept {
     return keys_.bytes() + values_.bytes() + key_scales_.bytes() + value_scales_.bytes();
   }
 
-  /// Stores tokens [first, first + count) of k and v ([B, H, T, D]) in slots [slot, slot + count),
+  /// Stores tokens [first, first + count) of k and v ([B, H, T, D]) at tokens [at, at + count),
   /// with the layer's head scales where the format has them (a 0 scale encodes as 1: the head
   /// has seen only zeros). Batch row b of k goes to stored row rows[b] (empty: to row b).
   /// Returns the values that saturated.
   template <class In>
   std::size_t encode(const TensorView<const In>& k, const TensorView<const In>& v, std::size_t first, std::size_t count,
-                     std::size_t slot, HeadScaleView head_scales = {},
-                     std::span<const std::size_t> rows = {}) noexcept {
+                     std::size_t at, HeadScaleView head_scales = {}, std::span<const std::size_t> rows = {}) noexcept {
     std::size_t clipped = 0;
     for (std::size_t b = 0; b < k.batch(); ++b) {
       const std::size_t stored = rows.empty() ? b : rows[b];
       for (std::size_t h = 0; h < heads_; ++h) {
         for (std::size_t i = 0; i < count; ++i) {
-          const std::size_t at = index(stored, h, slot + i);
+          const std::size_t row = index(stored, h, at + i);
           if constexpr (has_head_scales<T>) {
             const auto scale = [](float s) { return s != 0.0F ? s : 1.0F; };
-            clipped += Codec::encode(k.row(b, h, first + i), keys_.data() + at * units_, head_dim_,
+            clipped += Codec::encode(k.row(b, h, first + i), keys_.data() + row * units_, head_dim_,
                                      scale(head_scales.keys[h]));
-            clipped += Codec::encode(v.row(b, h, first + i), values_.data() + at * units_, head_dim_,
+            clipped += Codec::encode(v.row(b, h, first + i), values_.data() + row * units_, head_dim_,
                                      scale(head_scales.values[h]));
           } else {
-            const float ks = Codec::encode(k.row(b, h, first + i), keys_.data() + at * units_, head_dim_);
-            const float vs = Codec::encode(v.row(b, h, first + i), values_.data() + at * units_, head_dim_);
-            if constexpr (Codec::row_scales) {
-              key_scales_.data()[at] = ks;
-              value_scales_.data()[at] = vs;
+            const float ks = Codec::encode(k.row(b, h, first + i), keys_.data() + row * units_, head_dim_);
+            const float vs = Codec::encode(v.row(b, h, first + i), values_.data() + row * units_, head_dim_);
+            if constexpr (kRowScales) {
+              key_scales_.data()[row] = ks;
+              value_scales_.data()[row] = vs;
             }
           }
         }
@@ -86,12 +86,12 @@ class RowStore {
     return clipped;
   }
 
-  /// Copies the stored rows of slots [from_slot, from_slot + count) of `from` to [slot, ...).
-  void copy(const RowStore& from, std::size_t from_slot, std::size_t count, std::size_t slot) noexcept {
+  /// Copies the stored rows of tokens [from_at, from_at + count) of `from` to [at, ...).
+  void copy(const RowStore& from, std::size_t from_at, std::size_t count, std::size_t at) noexcept {
     for (std::size_t b = 0; b < batch_; ++b) {
       for (std::size_t h = 0; h < heads_; ++h) {
-        const std::size_t src = from.index(b, h, from_slot);
-        const std::size_t dst = index(b, h, slot);
+        const std::size_t src = from.index(b, h, from_at);
+        const std::size_t dst = index(b, h, at);
         std::memcpy(static_cast<void*>(keys_.data() + dst * units_), from.keys_.data() + src * units_,
                     count * units_ * sizeof(Unit));
         std::memcpy(static_cast<void*>(values_.data() + dst * units_), from.values_.data() + src * units_,
@@ -104,22 +104,23 @@ class RowStore {
     }
   }
 
-  /// Calls run(pointer, bytes) on each contiguous run of the stored bytes of slots
-  /// [slot, slot + count): the keys of every (b, h) in order, then the values, then their row
+  /// Calls run(pointer, bytes) on each contiguous run of the stored bytes of tokens
+  /// [first, first + count): the keys of every (b, h) in order, then the values, then their row
   /// scales where kept here. What a state file holds of the rows (state_file.hpp); `self` is a
-  /// RowStore or a const one, and the pointers are as const as it. `row` >= 0: that stored
-  /// row's alone (a paged sequence's block), rather than every b.
+  /// RowStore or a const one, and the pointers are as const as it. `row` other than kEveryRow:
+  /// that stored row's alone (a slot cache's slot, for release()), rather than every b.
   template <class Self, class Run>
-  static void for_each_run(Self& self, std::size_t slot, std::size_t count, const Run& run,
+  static void for_each_run(Self& self, std::size_t first, std::size_t count, const Run& run,
                            std::size_t row = kEveryRow) {
-    KVCACHE_ASSERT(slot <= self.slots_ && count <= self.slots_ - slot, "RowStore::for_each_run: slots out of range");
+    KVCACHE_ASSERT(first <= self.tokens_ && count <= self.tokens_ - first,
+                   "RowStore::for_each_run: tokens out of range");
     KVCACHE_ASSERT(row == kEveryRow || row < self.batch_, "RowStore::for_each_run: row out of range");
-    const std::size_t first = row == kEveryRow ? 0 : row, end = row == kEveryRow ? self.batch_ : row + 1;
-    const auto runs = [&](auto& buffer, std::size_t per_slot) {
+    const std::size_t from = row == kEveryRow ? 0 : row, end = row == kEveryRow ? self.batch_ : row + 1;
+    const auto runs = [&](auto& buffer, std::size_t per_token) {
       if (count == 0 || buffer.size() == 0) return;
-      for (std::size_t b = first; b < end; ++b) {
+      for (std::size_t b = from; b < end; ++b) {
         for (std::size_t h = 0; h < self.heads_; ++h) {
-          run(buffer.data() + self.index(b, h, slot) * per_slot, count * per_slot * sizeof(*buffer.data()));
+          run(buffer.data() + self.index(b, h, first) * per_token, count * per_token * sizeof(*buffer.data()));
         }
       }
     };
@@ -129,41 +130,41 @@ class RowStore {
     runs(self.value_scales_, 1);
   }
 
-  /// Gives back the memory of slots [slot, slot + count) (of stored row `row` alone, or of every
-  /// row), which hold no token: whole pages only, which read as zeros until written again.
-  void release(std::size_t slot, std::size_t count, std::size_t row = kEveryRow) noexcept {
+  /// Gives back the memory of tokens [first, first + count) (of stored row `row` alone, or of
+  /// every row), which hold none: whole pages only, which read as zeros until written again.
+  void release(std::size_t first, std::size_t count, std::size_t row = kEveryRow) noexcept {
     for_each_run(
-        *this, slot, count, [](auto* data, std::size_t bytes) { release_pages(data, bytes); }, row);
+        *this, first, count, [](auto* data, std::size_t bytes) { release_pages(data, bytes); }, row);
   }
 
-  /// Slots [slot, slot + count) as a segment with the given positions (and the layer's head
+  /// Tokens [first, first + count) as a segment with the given positions (and the layer's head
   /// scales, for formats that have them).
-  [[nodiscard]] Segment<T> segment(std::size_t slot, std::size_t count, Positions positions,
+  [[nodiscard]] Segment<T> segment(std::size_t first, std::size_t count, Positions positions,
                                    HeadScaleView head_scales = {}) const noexcept {
     const Shape shape{batch_, heads_, count, units_};
-    const Strides strides{heads_ * slots_ * units_, slots_ * units_, units_};
-    Segment<T> s{TensorView<const Unit>(keys_.data() + slot * units_, shape, strides),
-                 TensorView<const Unit>(values_.data() + slot * units_, shape, strides), positions};
+    const Strides strides{heads_ * tokens_ * units_, tokens_ * units_, units_};
+    Segment<T> s{TensorView<const Unit>(keys_.data() + first * units_, shape, strides),
+                 TensorView<const Unit>(values_.data() + first * units_, shape, strides), positions};
     if constexpr (has_head_scales<T>) {
       const Strides per_head{0, 1, 0};
       s.key_scales = RowScales{head_scales.keys, per_head};
       s.value_scales = RowScales{head_scales.values, per_head};
     } else if constexpr (kRowScales) {
-      const Strides scale_strides{heads_ * slots_, slots_, 1};
-      s.key_scales = RowScales{key_scales_.data() + slot, scale_strides};
-      s.value_scales = RowScales{value_scales_.data() + slot, scale_strides};
+      const Strides scale_strides{heads_ * tokens_, tokens_, 1};
+      s.key_scales = RowScales{key_scales_.data() + first, scale_strides};
+      s.value_scales = RowScales{value_scales_.data() + first, scale_strides};
     }
     return s;
   }
 
-  /// Every slot as [slots / block_tokens, heads, block_tokens] rows, for a store of one batch row
-  /// whose slots are blocks of `block_tokens` (a BlockPool's layer): stored row r is block r.
+  /// Every token as [tokens / block_tokens, heads, block_tokens] rows, for a store of one batch
+  /// row whose tokens are blocks of `block_tokens` (a BlockPool's layer): stored row r is block r.
   /// `positions` gives each block's (a list per stored row); a segment's `rows` pick blocks.
   [[nodiscard]] Segment<T> block_segment(std::size_t block_tokens, Positions positions,
                                          HeadScaleView head_scales = {}) const noexcept {
-    KVCACHE_ASSERT(batch_ == 1 && block_tokens != 0 && slots_ % block_tokens == 0, "a store of whole blocks");
-    const Shape shape{slots_ / block_tokens, heads_, block_tokens, units_};
-    const Strides strides{block_tokens * units_, slots_ * units_, units_};
+    KVCACHE_ASSERT(batch_ == 1 && block_tokens != 0 && tokens_ % block_tokens == 0, "a store of whole blocks");
+    const Shape shape{tokens_ / block_tokens, heads_, block_tokens, units_};
+    const Strides strides{block_tokens * units_, tokens_ * units_, units_};
     Segment<T> s{TensorView<const Unit>(keys_.data(), shape, strides),
                  TensorView<const Unit>(values_.data(), shape, strides), positions};
     if constexpr (has_head_scales<T>) {
@@ -171,7 +172,7 @@ class RowStore {
       s.key_scales = RowScales{head_scales.keys, per_head};
       s.value_scales = RowScales{head_scales.values, per_head};
     } else if constexpr (kRowScales) {
-      const Strides scale_strides{block_tokens, slots_, 1};
+      const Strides scale_strides{block_tokens, tokens_, 1};
       s.key_scales = RowScales{key_scales_.data(), scale_strides};
       s.value_scales = RowScales{value_scales_.data(), scale_strides};
     }
@@ -179,17 +180,17 @@ class RowStore {
   }
 
  private:
-  static constexpr bool kRowScales = Codec::row_scales && !has_head_scales<T>;  // kept here, a scale a row
+  static constexpr bool kRowScales = has_row_scales<T>;  // kept here, a scale a row
 
-  [[nodiscard]] std::size_t index(std::size_t b, std::size_t h, std::size_t slot) const noexcept {
-    return (b * heads_ + h) * slots_ + slot;
+  [[nodiscard]] std::size_t index(std::size_t b, std::size_t h, std::size_t t) const noexcept {
+    return (b * heads_ + h) * tokens_ + t;
   }
 
   std::size_t batch_ = 0;
   std::size_t heads_ = 0;
   std::size_t head_dim_ = 0;
   std::size_t units_ = 0;
-  std::size_t slots_ = 0;
+  std::size_t tokens_ = 0;
   AlignedBuffer<Unit> keys_;
   AlignedBuffer<Unit> values_;
   AlignedBuffer<float> key_scales_;
