@@ -107,7 +107,7 @@ std::vector<Section> parse_sections(const std::string& file) {
   EXPECT_EQ(file.substr(0, 8), std::string("\x89KVC\r\n\x1a\n", 8));
   std::uint32_t version = 0;
   std::memcpy(&version, file.data() + 8, 4);
-  EXPECT_EQ(version, 1U);
+  EXPECT_EQ(version, 2U);
   for (std::size_t at = 12; at < file.size();) {
     Section s;
     s.begin = at;
@@ -468,13 +468,13 @@ TYPED_TEST(StateFileOneFormat, AWrongMagicOrVersionIsRefusedNamingBoth) {
     EXPECT_THAT(e.what(), AllOf(HasSubstr("magic"), HasSubstr("\\x89KVC"), HasSubstr("\\x89XVC")));
   }
   std::string newer = file;
-  const std::uint32_t two = 2;
-  std::memcpy(newer.data() + 8, &two, 4);
+  const std::uint32_t three = 3;
+  std::memcpy(newer.data() + 8, &three, 4);
   try {
     load_from(cache, newer);
-    ADD_FAILURE() << "a version 2 file loaded";
+    ADD_FAILURE() << "a version 3 file loaded";
   } catch (const std::runtime_error& e) {
-    EXPECT_THAT(e.what(), AllOf(HasSubstr("version: expected 1"), HasSubstr("found 2")));
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("version: expected 1 to 2"), HasSubstr("found 3")));
   }
   expect_refused<std::runtime_error>(
       cache, [&](TypeParam& c) { load_from(c, "not a state file at all"); }, "text");

@@ -113,9 +113,9 @@ class ConcatKvCache : public detail::LayerLengths,
   static constexpr detail::BufferOptions kPlain{.zero_fill = false, .huge_pages = false};
 
   // State files (state_file.hpp): each layer's rows; BASE has the lengths.
-  [[nodiscard]] KvCacheConfig state_config() const noexcept {
-    return {
-        .layers = layers(), .batch = batch(), .kv_heads = kv_heads(), .head_dim = head_dim(), .capacity = capacity_};
+  template <class Settings>
+  void state_settings(Settings& settings) const {
+    settings.may_differ("capacity", capacity_);  // the file's tokens must fit it
   }
   template <class Out>
   void save_sections(Out& out) const {

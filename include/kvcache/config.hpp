@@ -6,6 +6,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "kvcache/version.hpp"
@@ -82,6 +83,23 @@ struct KvCacheConfig {
   std::span<const float> key_scales{};
   std::span<const float> value_scales{};
 };
+
+namespace detail {
+
+/// Sets the count of `config` named `name` ("window") to `value`: how a state file's settings,
+/// named by the variant that wrote them, become the config that builds a cache to load it.
+/// Returns false for a name that is no count of the config.
+inline bool set_config_count(KvCacheConfig& config, std::string_view name, std::size_t value) {
+  const auto set = [&](std::string_view field, auto& count) {
+    if (name == field) count = value;
+    return name == field;
+  };
+  return set("layers", config.layers) || set("batch", config.batch) || set("kv_heads", config.kv_heads) ||
+         set("head_dim", config.head_dim) || set("capacity", config.capacity) || set("window", config.window) ||
+         set("sinks", config.sinks) || set("slack", config.slack);
+}
+
+}  // namespace detail
 
 }  // namespace KVCACHE_ABI
 }  // namespace kvcache

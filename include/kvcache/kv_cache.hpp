@@ -99,9 +99,9 @@ class KvCache : public detail::LayerLengths,
   friend struct detail::StateAccess;
 
   // State files (state_file.hpp): each layer's rows; BASE has the lengths.
-  [[nodiscard]] KvCacheConfig state_config() const noexcept {
-    return {
-        .layers = layers(), .batch = batch(), .kv_heads = kv_heads(), .head_dim = head_dim(), .capacity = capacity_};
+  template <class Settings>
+  void state_settings(Settings& settings) const {
+    settings.may_differ("capacity", capacity_);  // the file's tokens must fit it
   }
   template <class Out>
   void save_sections(Out& out) const {

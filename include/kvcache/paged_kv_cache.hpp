@@ -802,16 +802,12 @@ class PagedKvCache : public detail::LayerLengths, public detail::ComputeTypeUpda
   // blocks of the pool into an empty sequence; BASE's head scales must agree with the pool's,
   // and the pool's clipped count stays its own. A windowed sequence also writes PWIN: the blocks
   // it gave back and each layer's first needed position; ROWS then holds the blocks it keeps.
-  [[nodiscard]] KvCacheConfig state_config() const noexcept {
-    const bool unbounded = capacity() == std::numeric_limits<std::size_t>::max();
-    return {.layers = layers(),
-            .batch = 1,
-            .kv_heads = kv_heads(),
-            .head_dim = head_dim(),
-            .capacity = unbounded ? 0 : capacity(),
-            .window = pool_->window(),
-            .sinks = pool_->sinks(),
-            .slack = pool_->slack()};
+  template <class Settings>
+  void state_settings(Settings& settings) const {
+    settings.may_differ("capacity", capacity() == std::numeric_limits<std::size_t>::max() ? 0 : capacity());
+    settings.must_match("window", pool_->window());
+    settings.must_match("sinks", pool_->sinks());
+    settings.must_match("slack", pool_->slack());
   }
   /// The blocks the sequence holds, in order (its table without those given back).
   [[nodiscard]] std::vector<std::size_t> held_blocks() const {

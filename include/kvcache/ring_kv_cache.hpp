@@ -184,15 +184,12 @@ class RingKvCache : public detail::LayerLengths,
 
   // State files (state_file.hpp): per layer, RING (where the ring stands, the position each
   // row holds, the staged chunk's positions), ROWS (every row) and STAG (the staged rows).
-  [[nodiscard]] KvCacheConfig state_config() const noexcept {
-    return {.layers = layers(),
-            .batch = batch(),
-            .kv_heads = kv_heads(),
-            .head_dim = head_dim(),
-            .capacity = capacity_ == std::numeric_limits<std::size_t>::max() ? 0 : capacity_,
-            .window = window_,
-            .sinks = sinks_,
-            .slack = ring_ - window_};
+  template <class Settings>
+  void state_settings(Settings& settings) const {
+    settings.may_differ("capacity", capacity_ == std::numeric_limits<std::size_t>::max() ? 0 : capacity_);
+    settings.must_match("window", window_);
+    settings.must_match("sinks", sinks_);
+    settings.must_match("slack", ring_ - window_);
   }
   template <class Out>
   void save_sections(Out& out) const {

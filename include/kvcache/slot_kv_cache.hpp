@@ -340,15 +340,12 @@ class SlotKvCache : public detail::CacheGeometry,
   // (layer, slot) (BASE's per-layer lengths stay 0); ROWS[l] every slot's rows up to the
   // layer's longest. With a window, SWIN[l] before ROWS[l]: each slot's oldest position not
   // overwritten and the position each of its rows holds.
-  [[nodiscard]] KvCacheConfig state_config() const noexcept {
-    return {.layers = layers(),
-            .batch = batch(),
-            .kv_heads = kv_heads(),
-            .head_dim = head_dim(),
-            .capacity = capacity_ == std::numeric_limits<std::size_t>::max() ? 0 : capacity_,
-            .window = window_,
-            .sinks = sinks_,
-            .slack = ring_ - window_};
+  template <class Settings>
+  void state_settings(Settings& settings) const {
+    settings.may_differ("capacity", capacity_ == std::numeric_limits<std::size_t>::max() ? 0 : capacity_);
+    settings.must_match("window", window_);
+    settings.must_match("sinks", sinks_);
+    settings.must_match("slack", ring_ - window_);
   }
   /// The rows a state file holds of `layer`: every slot's, up to the longest slot's tokens.
   [[nodiscard]] std::size_t saved_rows(std::span<const std::size_t> lengths, std::size_t layer) const noexcept {

@@ -8,9 +8,10 @@
 //   kvcache::KvCache<kvcache::bfloat16> restored(kvcache::read_state_info("prompt.kvstate").config);
 //   std::string metadata = kvcache::load_state(restored, "prompt.kvstate");
 //
-// The file: an 8-byte magic, a version, then sections, each a tag, an index (the layer), its
-// length, its bytes and their CRC-32C. HEAD says which variant, storage format, shape and config
-// wrote it; META is the caller's metadata string; BASE the tokens of each layer (and the head
+// The file (its container: detail/state_container.hpp): an 8-byte magic, a version, then
+// sections, each a tag, an index (the layer), its length, its bytes and their CRC-32C. HEAD says
+// which variant, storage format and shape wrote it, and the settings the variant lists
+// (detail/state_settings.hpp); META is the caller's metadata string; BASE the tokens of each layer (and the head
 // scales of formats that keep them); then each variant's own sections (the rows of every layer,
 // a ring's row positions and staged chunk, a slot cache's slots, a paged sequence's token ids).
 // A PagedKvCache saves one sequence, not its pool, and loads into an empty sequence of a pool of
@@ -53,6 +54,8 @@
 #include "kvcache/detail/cache_base.hpp"
 #include "kvcache/detail/crc32c.hpp"
 #include "kvcache/detail/row_store.hpp"
+#include "kvcache/detail/state_container.hpp"
+#include "kvcache/detail/state_settings.hpp"
 #include "kvcache/version.hpp"
 
 namespace kvcache {
@@ -76,500 +79,8 @@ struct StateInfo {
 
 namespace detail {
 
-/// The first bytes of every state file: a non-ASCII byte, the name, and the line endings and
-/// end-of-file byte that a text-mode copy would change (as PNG's).
-inline constexpr std::array<char, 8> kStateMagic = {'\x89', 'K', 'V', 'C', '\r', '\n', '\x1a', '\n'};
-inline constexpr std::uint32_t kStateVersion = 1;
-/// Bytes read or written, and checksummed, at a time: large enough for the disk's speed, small
-/// enough to be checksummed while still in the processor's cache.
-inline constexpr std::size_t kStateChunk = std::size_t{4} << 20;
-/// The index of a section that belongs to no layer.
-inline constexpr std::uint32_t kWholeCache = 0xFFFFFFFFU;
 inline constexpr std::size_t kMaxHeadBytes = 4096;
 inline constexpr std::size_t kMaxMetadataBytes = std::size_t{1} << 30;
-
-inline std::string file_error(const std::string& what, const std::string& expected, const std::string& found) {
-  return "kvcache state file: " + what + ": expected " + expected + ", found " + found;
-}
-
-inline std::string hex32(std::uint32_t value) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string s = "0x";
-  for (int shift = 28; shift >= 0; shift -= 4) s += kDigits[(value >> shift) & 0xFU];
-  return s;
-}
-
-/// "ROWS[3]" (a layer's section) or "HEAD".
-inline std::string section_name(std::string_view tag, std::size_t index) {
-  return std::string(tag) + (index == kWholeCache ? std::string() : "[" + std::to_string(index) + "]");
-}
-
-/// State files are little-endian; refuses other hosts, where this code would misread them.
-inline void check_little_endian(const char* call) {
-  if constexpr (std::endian::native != std::endian::little) {
-    throw std::runtime_error(std::string(call) + ": state files are little-endian; this host is not");
-  }
-}
-
-/// Where a section's header sits: its tag, index and payload length, checksummed with it.
-struct SectionHeader {
-  std::array<char, 4> tag{};
-  std::uint32_t index = 0;
-  std::uint64_t bytes = 0;
-};
-static_assert(sizeof(SectionHeader) == 16, "a section header is 16 bytes, without padding");
-
-inline SectionHeader section_header(std::string_view tag, std::size_t index, std::uint64_t bytes) {
-  KVCACHE_ASSERT(tag.size() == 4, "a section tag is 4 characters");
-  KVCACHE_ASSERT(index <= kWholeCache, "a section index fits in 32 bits");
-  SectionHeader h;
-  std::copy(tag.begin(), tag.end(), h.tag.begin());
-  h.index = static_cast<std::uint32_t>(index);
-  h.bytes = bytes;
-  return h;
-}
-
-/// The payload of a small section being written: fixed-width little-endian fields.
-class PayloadWriter {
- public:
-  void u8(bool flag) { bytes_.push_back(static_cast<char>(flag ? 1 : 0)); }
-  void u64(std::size_t value) { raw(static_cast<std::uint64_t>(value)); }
-  void i64s(std::span<const std::int64_t> values) { append(values.data(), values.size_bytes()); }
-  void f32s(std::span<const float> values) { append(values.data(), values.size_bytes()); }
-  /// A u32 length, then the characters.
-  void str(std::string_view s) {
-    raw(static_cast<std::uint32_t>(s.size()));
-    append(s.data(), s.size());
-  }
-  /// The characters alone (a section that is one string).
-  void text(std::string_view s) { append(s.data(), s.size()); }
-  [[nodiscard]] const std::string& bytes() const noexcept { return bytes_; }
-
- private:
-  template <class V>
-  void raw(V value) {
-    append(&value, sizeof value);
-  }
-  void append(const void* data, std::size_t n) {
-    if (n != 0) bytes_.append(static_cast<const char*>(data), n);  // an empty span's data may be null
-  }
-  std::string bytes_;
-};
-
-/// The payload of a small section being read, its checksum already verified: each field is
-/// checked to lie inside it.
-class PayloadReader {
- public:
-  PayloadReader(std::string name, std::string bytes) : name_(std::move(name)), bytes_(std::move(bytes)) {}
-
-  [[nodiscard]] bool u8(const char* field) {
-    const auto value = static_cast<unsigned char>(take(field, 1)[0]);
-    if (value > 1) throw std::runtime_error(file_error(where(field), "0 or 1", std::to_string(value)));
-    return value == 1;
-  }
-  [[nodiscard]] std::size_t u64(const char* field) {
-    const auto value = raw<std::uint64_t>(field);
-    if (!std::in_range<std::size_t>(value)) {
-      throw std::runtime_error(file_error(where(field), "a count that fits in std::size_t", std::to_string(value)));
-    }
-    return static_cast<std::size_t>(value);
-  }
-  [[nodiscard]] std::vector<std::int64_t> i64s(const char* field, std::size_t count) {
-    return values<std::int64_t>(field, count);
-  }
-  [[nodiscard]] std::vector<float> f32s(const char* field, std::size_t count) { return values<float>(field, count); }
-  [[nodiscard]] std::string str(const char* field) {
-    const auto size = raw<std::uint32_t>(field);
-    return std::string(take(field, size), size);
-  }
-  /// The rest of the payload as one string.
-  [[nodiscard]] std::string text() {
-    const std::size_t size = bytes_.size() - at_;
-    return std::string(take("text", size), size);
-  }
-
-  /// Checks that every byte was read: a longer payload is not this version's.
-  void finish() const {
-    if (at_ != bytes_.size()) {
-      throw std::runtime_error(file_error("section " + name_ + ": payload bytes", std::to_string(at_) + " (its fields)",
-                                          std::to_string(bytes_.size())));
-    }
-  }
-  /// Throws std::runtime_error naming the field, what was expected and what was found unless `ok`:
-  /// for values a variant checks once their section is read.
-  void require(bool ok, const char* field, const std::string& expected, const std::string& found) const {
-    if (!ok) throw std::runtime_error(file_error(where(field), expected, found));
-  }
-  /// The payload's bytes, read or not.
-  [[nodiscard]] std::size_t size() const noexcept { return bytes_.size(); }
-  /// "section RING[3]: stored_end" for messages.
-  [[nodiscard]] std::string where(const char* field) const { return "section " + name_ + ": " + field; }
-
- private:
-  const char* take(const char* field, std::size_t n) {
-    if (n > bytes_.size() - at_) {
-      throw std::runtime_error(
-          file_error(where(field), std::to_string(n) + " more payload bytes", std::to_string(bytes_.size() - at_)));
-    }
-    const char* p = bytes_.data() + at_;
-    at_ += n;
-    return p;
-  }
-  template <class V>
-  V raw(const char* field) {
-    V value;
-    std::memcpy(&value, take(field, sizeof value), sizeof value);
-    return value;
-  }
-  template <class V>
-  std::vector<V> values(const char* field, std::size_t count) {
-    if (count > (bytes_.size() - at_) / sizeof(V)) {
-      throw std::runtime_error(file_error(where(field), std::to_string(count) + " values",
-                                          std::to_string((bytes_.size() - at_) / sizeof(V)) + " left in the payload"));
-    }
-    std::vector<V> out(count);
-    if (count != 0) std::memcpy(out.data(), take(field, count * sizeof(V)), count * sizeof(V));
-    return out;
-  }
-
-  std::string name_;
-  std::string bytes_;
-  std::size_t at_ = 0;
-};
-
-/// Appends to `runs` the stored bytes of tokens [first, first + count) of every stored row,
-/// joined where they abut.
-template <class Byte, class Store>
-void append_runs(std::vector<std::span<Byte>>& runs, Store& rows, std::size_t first, std::size_t count) {
-  std::remove_const_t<Store>::for_each_run(rows, first, count, [&](auto* data, std::size_t n) {
-    auto* bytes = reinterpret_cast<Byte*>(data);
-    if (!runs.empty() && runs.back().data() + runs.back().size() == bytes) {
-      runs.back() = {runs.back().data(), runs.back().size() + n};
-    } else {
-      runs.emplace_back(bytes, n);
-    }
-  });
-}
-
-/// The stored bytes of tokens [first, first + count) of `rows` (a RowStore, const or not) as runs
-/// of bytes, those that abut in memory joined: a layer whose tokens are all held is one run of
-/// keys and one of values, read or written by one call each.
-template <class Byte, class Store>
-std::vector<std::span<Byte>> joined_runs(Store& rows, std::size_t first, std::size_t count) {
-  std::vector<std::span<Byte>> runs;
-  append_runs(runs, rows, first, count);
-  return runs;
-}
-
-/// The stored bytes of a paged sequence's first `tokens` tokens: `block_tokens` a block, block
-/// j at tokens [blocks[j] x block_tokens, ...) of `rows`, each block's runs as joined_runs gives
-/// them, in order.
-template <class Byte, class Store>
-std::vector<std::span<Byte>> block_runs(Store& rows, std::span<const std::size_t> blocks, std::size_t block_tokens,
-                                        std::size_t tokens) {
-  std::vector<std::span<Byte>> runs;
-  for (std::size_t j = 0; j * block_tokens < tokens; ++j) {
-    append_runs(runs, rows, blocks[j] * block_tokens, std::min(block_tokens, tokens - j * block_tokens));
-  }
-  return runs;
-}
-
-/// Writes a state file's framing: the magic and version, then sections, each checksummed.
-class StateWriter {
- public:
-  explicit StateWriter(std::ostream& out) : out_(out) {}
-
-  void begin() {
-    write(kStateMagic.data(), kStateMagic.size());
-    write(&kStateVersion, sizeof kStateVersion);
-  }
-
-  /// A small section: fill(PayloadWriter&) gives its fields.
-  template <class Fill>
-  void section(std::string_view tag, std::size_t index, const Fill& fill) {
-    PayloadWriter payload;
-    fill(payload);
-    const std::string& bytes = payload.bytes();
-    std::uint32_t crc = start(tag, index, bytes.size());
-    crc = crc32c(crc, bytes.data(), bytes.size());
-    write(bytes.data(), bytes.size());
-    write(&crc, sizeof crc);
-  }
-
-  /// A small section of the whole cache.
-  template <class Fill>
-  void section(std::string_view tag, const Fill& fill) {
-    section(tag, kWholeCache, fill);
-  }
-
-  /// A data section: the stored bytes of tokens [first, first + count) of `rows`, written from
-  /// the cache's storage itself.
-  template <class T>
-  void rows(std::string_view tag, std::size_t index, const RowStore<T>& rows, std::size_t first, std::size_t count) {
-    write_runs(tag, index, joined_runs<const char>(rows, first, count));
-  }
-  /// A data section: a paged sequence's first `tokens` tokens, in `block_tokens`-token blocks
-  /// held in the stored rows `blocks` of `rows`.
-  template <class T>
-  void blocks(std::string_view tag, std::size_t index, const RowStore<T>& rows, std::span<const std::size_t> blocks,
-              std::size_t block_tokens, std::size_t tokens) {
-    write_runs(tag, index, block_runs<const char>(rows, blocks, block_tokens, tokens));
-  }
-
- private:
-  void write_runs(std::string_view tag, std::size_t index, const std::vector<std::span<const char>>& runs) {
-    std::uint64_t bytes = 0;
-    for (const auto run : runs) bytes += run.size();
-    std::uint32_t crc = start(tag, index, bytes);
-    for (const auto run : runs) {
-      for (std::size_t done = 0; done < run.size(); done += kStateChunk) {
-        const std::size_t size = std::min(kStateChunk, run.size() - done);
-        crc = crc32c(crc, run.data() + done, size);
-        write(run.data() + done, size);
-      }
-    }
-    write(&crc, sizeof crc);
-  }
-
-  /// Writes a section's header; returns the checksum so far.
-  std::uint32_t start(std::string_view tag, std::size_t index, std::uint64_t bytes) {
-    const SectionHeader header = section_header(tag, index, bytes);
-    write(&header, sizeof header);
-    return crc32c(0, &header, sizeof header);
-  }
-  void write(const void* data, std::size_t n) {
-    out_.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
-    if (!out_) throw std::runtime_error("kvcache::save_state: the stream refused a write (disk full, or closed?)");
-  }
-
-  std::ostream& out_;
-};
-
-/// Reads a state file's framing, verifying each section's checksum before anything it holds
-/// is used. Data sections go straight into their destinations (direct), or are verified now
-/// and read into them by finish(): again from a seekable stream, or from a copy held meanwhile.
-class StateReader {
- public:
-  enum class Data { direct, verify_then_read, hold };
-
-  explicit StateReader(std::istream& in) : in_(in) {}
-
-  void begin() {
-    std::array<char, kStateMagic.size()> magic{};
-    const std::size_t got = read_some(magic.data(), magic.size());
-    if (got != magic.size() || magic != kStateMagic) {
-      throw std::runtime_error(file_error("magic",
-                                          printable(kStateMagic.data(), kStateMagic.size()) + " (a state file)",
-                                          printable(magic.data(), got)));
-    }
-    std::uint32_t version = 0;
-    read_exact(&version, sizeof version, "the version");
-    if (version != kStateVersion) {
-      throw std::runtime_error(
-          file_error("version", std::to_string(kStateVersion) + " (what this kvcache reads)", std::to_string(version)));
-    }
-  }
-
-  /// A small section of at most `max_bytes`, its checksum verified.
-  PayloadReader section(std::string_view tag, std::size_t index, std::size_t max_bytes) {
-    const std::string name = section_name(tag, index);
-    const SectionHeader header = read_header(tag, index);
-    if (header.bytes > max_bytes) {
-      throw std::runtime_error(file_error("section " + name + ": payload bytes", "at most " + std::to_string(max_bytes),
-                                          std::to_string(header.bytes)));
-    }
-    std::string payload;
-    // Grown as the bytes arrive, so that a length no file backs allocates nothing large.
-    while (payload.size() < header.bytes) {
-      const std::size_t size = std::min<std::size_t>(kStateChunk, header.bytes - payload.size());
-      const std::size_t at = payload.size();
-      payload.resize(at + size);
-      read_exact(payload.data() + at, size, "the payload of section " + name);
-    }
-    std::uint32_t crc = crc32c(0, &header, sizeof header);
-    check_crc(name, crc32c(crc, payload.data(), payload.size()));
-    return {name, std::move(payload)};
-  }
-
-  /// A small section of the whole cache.
-  PayloadReader section(std::string_view tag, std::size_t max_bytes) { return section(tag, kWholeCache, max_bytes); }
-
-  /// A data section holding the stored bytes of tokens [first, first + count) of `rows`, read
-  /// into them as the data mode says.
-  template <class T>
-  void rows(std::string_view tag, std::size_t index, RowStore<T>& rows, std::size_t first, std::size_t count) {
-    read_runs_into(tag, index, joined_runs<char>(rows, first, count));
-  }
-  /// A data section holding a paged sequence's first `tokens` tokens, read into the stored rows
-  /// `blocks` of `rows`, `block_tokens` a block, as the data mode says.
-  template <class T>
-  void blocks(std::string_view tag, std::size_t index, RowStore<T>& rows, std::span<const std::size_t> blocks,
-              std::size_t block_tokens, std::size_t tokens) {
-    read_runs_into(tag, index, block_runs<char>(rows, blocks, block_tokens, tokens));
-  }
-
-  /// A data section read into these runs of bytes, as the data mode says.
-  void read_runs_into(std::string_view tag, std::size_t index, std::vector<std::span<char>> runs) {
-    Pending pending{section_name(tag, index), std::move(runs), 0, 0, 0, {}};
-    std::uint64_t expected = 0;
-    for (const auto run : pending.runs) expected += run.size();
-    const SectionHeader header = read_header(tag, index);
-    if (header.bytes != expected) {
-      throw std::runtime_error(file_error("section " + pending.name + ": payload bytes",
-                                          std::to_string(expected) + " (its rows)", std::to_string(header.bytes)));
-    }
-    const std::uint32_t start = crc32c(0, &header, sizeof header);
-    if (data_ == Data::direct) {
-      check_crc(pending.name, read_runs(pending.runs, start, pending.name));
-      return;
-    }
-    if (data_ == Data::hold) {
-      pending.held.resize(expected);
-      check_crc(pending.name, read_runs({std::span<char>(pending.held)}, start, pending.name));
-    } else {
-      pending.offset = in_.tellg();
-      pending.at = offset_;
-      std::uint32_t crc = start;
-      scratch_.resize(std::min<std::size_t>(kStateChunk, expected));
-      for (std::uint64_t done = 0; done < expected;) {
-        const std::size_t size = std::min<std::size_t>(scratch_.size(), expected - done);
-        read_exact(scratch_.data(), size, "the payload of section " + pending.name);
-        crc = crc32c(crc, scratch_.data(), size);
-        done += size;
-      }
-      pending.start_crc = start;
-      check_crc(pending.name, crc);
-    }
-    pending_.push_back(std::move(pending));
-  }
-
-  /// How data sections are read from here on.
-  void set_data(Data data) noexcept { data_ = data; }
-  /// Data sections from here on are verified before they reach their destinations: for a
-  /// variant whose rows something reads though BASE's lengths are 0 (it keeps its own).
-  void verify_first() {
-    if (data_ == Data::direct) data_ = seekable(in_) ? Data::verify_then_read : Data::hold;
-  }
-  /// The tokens each layer of the file holds, from BASE (checked against the cache's capacity).
-  void set_lengths(std::span<const std::size_t> lengths) noexcept { lengths_ = lengths; }
-  [[nodiscard]] std::span<const std::size_t> lengths() const noexcept { return lengths_; }
-  /// The K and V head scales BASE holds (layers x kv_heads each, for formats with head scales).
-  void set_head_scales(std::span<const float> keys, std::span<const float> values) noexcept {
-    key_scales_ = keys;
-    value_scales_ = values;
-  }
-  [[nodiscard]] std::span<const float> head_scales(bool values) const noexcept {
-    return values ? value_scales_ : key_scales_;
-  }
-  [[nodiscard]] static bool seekable(std::istream& in) { return in.tellg() != std::istream::pos_type(-1); }
-
-  /// Reads the data sections that were verified or held into their destinations; the stream
-  /// is left after the state. From a seekable stream they are read and checksummed again: a
-  /// file that changed since it was verified throws here, its sections part-read.
-  void finish() {
-    const auto end = in_.tellg();
-    for (Pending& p : pending_) {
-      if (data_ == Data::hold) {
-        const char* from = p.held.data();
-        for (const auto run : p.runs) {
-          std::memcpy(run.data(), from, run.size());
-          from += run.size();
-        }
-        continue;
-      }
-      in_.seekg(p.offset);
-      offset_ = p.at;
-      if (!in_) throw std::runtime_error("kvcache state file: section " + p.name + ": cannot seek back to read it");
-      const std::uint32_t crc = read_runs(p.runs, p.start_crc, p.name);
-      std::uint32_t stored = 0;
-      read_exact(&stored, sizeof stored, "the checksum of section " + p.name);
-      if (crc != stored) {
-        throw std::runtime_error(file_error("section " + p.name + " read after verifying it: checksum",
-                                            hex32(stored) + " (as verified)", hex32(crc)));
-      }
-    }
-    pending_.clear();
-    if (data_ == Data::verify_then_read) in_.seekg(end);
-  }
-
- private:
-  struct Pending {
-    std::string name;
-    std::vector<std::span<char>> runs;
-    std::istream::pos_type offset;  // of the payload, in the stream
-    std::uint64_t at;               // the same, in bytes from the state's start, for messages
-    std::uint32_t start_crc;
-    std::vector<char> held;
-  };
-
-  SectionHeader read_header(std::string_view tag, std::size_t index) {
-    const std::string name = section_name(tag, index);
-    SectionHeader header;
-    read_exact(&header, sizeof header, "the header of section " + name);
-    const std::string found = section_name(std::string_view(header.tag.data(), header.tag.size()), header.index);
-    if (found != name) throw std::runtime_error(file_error("section", name, printable(found.data(), found.size())));
-    return header;
-  }
-
-  /// Reads the runs' bytes in chunks, checksumming each while it is in the processor's cache;
-  /// returns `crc` continued over them.
-  std::uint32_t read_runs(const std::vector<std::span<char>>& runs, std::uint32_t crc, const std::string& name) {
-    for (const auto run : runs) {
-      for (std::size_t done = 0; done < run.size(); done += kStateChunk) {
-        const std::size_t size = std::min(kStateChunk, run.size() - done);
-        read_exact(run.data() + done, size, "the payload of section " + name);
-        crc = crc32c(crc, run.data() + done, size);
-      }
-    }
-    return crc;
-  }
-
-  void check_crc(const std::string& name, std::uint32_t computed) {
-    std::uint32_t stored = 0;
-    read_exact(&stored, sizeof stored, "the checksum of section " + name);
-    if (computed != stored) {
-      throw std::runtime_error(file_error("section " + name + ": checksum", hex32(stored) + " (stored in the file)",
-                                          hex32(computed) + " (computed from its bytes)"));
-    }
-  }
-
-  std::size_t read_some(void* data, std::size_t n) {
-    in_.read(static_cast<char*>(data), static_cast<std::streamsize>(n));
-    const auto got = static_cast<std::size_t>(in_.gcount());
-    offset_ += got;
-    return got;
-  }
-  void read_exact(void* data, std::size_t n, const std::string& what) {
-    const std::uint64_t at = offset_;
-    const std::size_t got = read_some(data, n);
-    if (got != n) {
-      throw std::runtime_error(file_error(what + " at byte " + std::to_string(at), std::to_string(n) + " bytes",
-                                          std::to_string(got) + " (the input ends there: a truncated file?)"));
-    }
-  }
-
-  /// Bytes as text for a message, non-printable ones as \xNN.
-  static std::string printable(const char* data, std::size_t n) {
-    std::string s = "\"";
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto c = static_cast<unsigned char>(data[i]);
-      if (c >= 0x20 && c < 0x7F && c != '"' && c != '\\') {
-        s += static_cast<char>(c);
-      } else {
-        s += "\\x" + hex32(c).substr(8);
-      }
-    }
-    return s + "\"";
-  }
-
-  std::istream& in_;
-  std::uint64_t offset_ = 0;  // bytes read so far, for messages
-  Data data_ = Data::direct;
-  std::span<const std::size_t> lengths_;
-  std::span<const float> key_scales_, value_scales_;
-  std::vector<Pending> pending_;
-  std::vector<char> scratch_;
-};
 
 /// What HEAD holds.
 struct StateHead {
@@ -580,7 +91,10 @@ struct StateHead {
   bool row_scales = false;   // a scale kept per stored row
   bool head_scales = false;  // a scale kept per (layer, kv head)
   bool legacy_fp8 = false;   // written while fp8_e4m3 kept head scales (read as fp8_e4m3_heads)
+  /// The shape (layers, batch, kv_heads, head_dim), and of the settings those that are counts
+  /// of a config, for read_state_info().
   KvCacheConfig config;
+  std::vector<StateSetting> settings;  // the variant's own, as it named them
 };
 
 /// What BASE holds: the layer lengths, head scales and clipped counts.
@@ -590,6 +104,20 @@ struct StateBase {
   bool scales_given = false;
   std::vector<float> key_scales, value_scales;  // layers x kv_heads each, for head-scale formats
 };
+
+inline void write_head(PayloadWriter& p, const StateHead& h) {
+  p.str(h.variant);
+  p.str(h.format);
+  p.u64(h.unit_bytes);
+  p.u64(h.units);
+  p.u8(h.row_scales);
+  p.u8(h.head_scales);
+  for (const std::size_t n :
+       std::array<std::size_t, 4>{h.config.layers, h.config.batch, h.config.kv_heads, h.config.head_dim}) {
+    p.u64(n);
+  }
+  write_settings(p, h.settings);
+}
 
 inline StateHead read_head(StateReader& in) {
   PayloadReader p = in.section("HEAD", kWholeCache, kMaxHeadBytes);
@@ -604,11 +132,9 @@ inline StateHead read_head(StateReader& in) {
   h.config.batch = p.u64("batch");
   h.config.kv_heads = p.u64("kv_heads");
   h.config.head_dim = p.u64("head_dim");
-  h.config.capacity = p.u64("capacity");
-  h.config.window = p.u64("window");
-  h.config.sinks = p.u64("sinks");
-  h.config.slack = p.u64("slack");
+  h.settings = read_settings(p, in.version());
   p.finish();
+  for (const StateSetting& setting : h.settings) (void)set_config_count(h.config, setting.name, setting.value);
   // Files written while fp8_e4m3 kept a scale per (layer, kv head) hold fp8_e4m3_heads' rows under
   // that name (fp8_e4m3 now keeps a scale per row): they load into a cache of fp8_e4m3_heads.
   if (h.format == "fp8_e4m3" && h.head_scales && !h.row_scales) {
@@ -696,7 +222,7 @@ namespace detail {
 /// Reads and restores the private state of the shared pieces and of every variant that joins state
 /// files. A variant joins with three private members and `friend struct detail::StateAccess;`:
 ///
-///   KvCacheConfig state_config() const;        // the counts it was built with
+///   template <class S> void state_settings(S& settings) const; // its settings (state_settings.hpp)
 ///   template <class Out> void save_sections(Out& out) const;   // its sections, after BASE
 ///   template <class In> auto load_sections(In& in);            // reads them back: returns a
 ///                                                              // noexcept callable that commits
@@ -708,14 +234,16 @@ namespace detail {
 /// each layer the file holds, already checked against capacity().
 struct StateAccess {
   template <class Cache>
-  static constexpr bool joins = requires(const Cache& c) {
-    { c.state_config() } -> std::same_as<KvCacheConfig>;
+  static constexpr bool joins = requires(const Cache& c, StateSettings& settings) {
+    c.state_settings(settings);
   };
 
   template <class Cache>
   static StateHead head(const Cache& cache) {
     using T = typename Cache::value_type;
     const CacheGeometry& base = cache;
+    StateSettings settings;
+    cache.state_settings(settings);
     return {std::string(base.name_),
             format_name<T>(),
             sizeof(typename storage_codec<T>::unit),
@@ -723,7 +251,8 @@ struct StateAccess {
             has_row_scales<T>,
             has_head_scales<T>,
             false,
-            cache.state_config()};
+            {.layers = base.layers(), .batch = base.batch(), .kv_heads = base.kv_heads(), .head_dim = base.head_dim()},
+            settings.list()};
   }
 
   /// Where a cache's head scales and clipped counts live: a paged sequence's, in its pool.
@@ -812,8 +341,8 @@ struct StateAccess {
   }
 };
 
-/// Checks that a file's HEAD describes `cache`'s variant, format and shape; std::invalid_argument
-/// naming the first field that differs otherwise.
+/// Checks that a file's HEAD describes `cache`'s variant, format, shape and the settings it must
+/// match; std::invalid_argument naming the first field that differs otherwise.
 template <class Cache>
 void check_head(const Cache& cache, const StateHead& file) {
   const StateHead own = StateAccess::head(cache);
@@ -830,9 +359,7 @@ void check_head(const Cache& cache, const StateHead& file) {
   count("batch", own.config.batch, file.config.batch);
   count("kv_heads", own.config.kv_heads, file.config.kv_heads);
   count("head_dim", own.config.head_dim, file.config.head_dim);
-  count("window", own.config.window, file.config.window);
-  count("sinks", own.config.sinks, file.config.sinks);
-  count("slack", own.config.slack, file.config.slack);
+  check_settings(own.settings, file.settings, own.variant);
   // The same format's rows laid out otherwise (another kvcache's codec): not this version's file.
   count("unit bytes", own.unit_bytes, file.unit_bytes);
   count("units per row", own.units, file.units);
@@ -859,19 +386,7 @@ void save_state(const Cache& cache, std::ostream& out, std::string_view metadata
   detail::StateWriter writer(out);
   writer.begin();
   const detail::StateHead head = detail::StateAccess::head(cache);
-  writer.section("HEAD", detail::kWholeCache, [&](detail::PayloadWriter& p) {
-    p.str(head.variant);
-    p.str(head.format);
-    p.u64(head.unit_bytes);
-    p.u64(head.units);
-    p.u8(head.row_scales);
-    p.u8(head.head_scales);
-    const KvCacheConfig& c = head.config;
-    for (const std::size_t n : std::array<std::size_t, 8>{c.layers, c.batch, c.kv_heads, c.head_dim, c.capacity,
-                                                          c.window, c.sinks, c.slack}) {
-      p.u64(n);
-    }
-  });
+  writer.section("HEAD", detail::kWholeCache, [&](detail::PayloadWriter& p) { detail::write_head(p, head); });
   writer.section("META", detail::kWholeCache, [&](detail::PayloadWriter& p) { p.text(metadata); });
   detail::StateAccess::save_base(cache, writer);
   detail::StateAccess::save_sections(cache, writer);

@@ -2,7 +2,7 @@
 #pragma once
 
 // A paged block as a store keeps it: a self-describing record in the state file's section
-// framing (state_file.hpp: a tag, an index, a length, the payload and its CRC-32C), under a magic
+// framing (detail/state_container.hpp: a tag, an index, a length, the payload and its CRC-32C), under a magic
 // of its own. Written from the pool's rows; verified whole, in memory, before a byte of it reaches
 // a block (docs/store.md lists every field):
 //
@@ -12,7 +12,7 @@
 //   BLCK  the block's key, its parent's key, its token ids (u64 count, then i64 each)
 //   ROWS[l] for each layer: the block's stored bytes (keys, values, row scales), as a state file's
 //
-// From state_file.hpp it takes the framing alone: SectionHeader, section_header, section_name,
+// From the state container it takes the framing alone: SectionHeader, section_header, section_name,
 // kWholeCache, PayloadWriter, hex32 and check_little_endian.
 
 #include <algorithm>
@@ -31,7 +31,7 @@
 #include "kvcache/detail/crc32c.hpp"
 #include "kvcache/detail/row_store.hpp"
 #include "kvcache/detail/sha256.hpp"
-#include "kvcache/state_file.hpp"
+#include "kvcache/detail/state_container.hpp"
 #include "kvcache/version.hpp"
 
 namespace kvcache {
