@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <numeric>
@@ -1545,6 +1546,160 @@ void expect_model_continues_after_load() {
       EXPECT_FALSE(same_bits(tiny_model().forward(span(first, count), unprimed), want));
     }
   }
+}
+
+// ---- the variants' settings, and files of the first layout --------------------------------
+
+/// `file` with its HEAD rewritten after `change` (its checksum recomputed).
+std::string with_head(const std::string& file, const std::function<void(detail::StateHead&)>& change) {
+  std::istringstream in(file);
+  detail::StateReader reader(in);
+  reader.begin();
+  detail::StateHead head = detail::read_head(reader);
+  change(head);
+  std::ostringstream out(std::ios::binary);
+  detail::StateWriter writer(out);
+  writer.section("HEAD", detail::kWholeCache, [&](detail::PayloadWriter& p) { detail::write_head(p, head); });
+  const auto sections = parse_sections(file);
+  return file.substr(0, sections.front().begin) + std::move(out).str() + file.substr(sections.front().end);
+}
+
+TEST(StateFileSettings, ARingWritesItsOwnSettingsByName) {
+  RingKvCache<float> ring({.layers = 1, .kv_heads = 1, .head_dim = 4, .window = 6, .sinks = 2, .slack = 3});
+  std::istringstream in(saved(ring));
+  detail::StateReader reader(in);
+  reader.begin();
+  const detail::StateHead head = detail::read_head(reader);
+  std::vector<std::pair<std::string, std::size_t>> settings;
+  for (const auto& s : head.settings) settings.emplace_back(s.name, s.value);
+  EXPECT_EQ(settings, (std::vector<std::pair<std::string, std::size_t>>{
+                          {"capacity", 0}, {"window", 6}, {"sinks", 2}, {"slack", 3}}));
+}
+
+TEST(StateFileSettings, ASettingTheCacheDoesNotListLoadsOnlyAtZero) {
+  KvCache<float> original({.layers = 2, .kv_heads = 1, .head_dim = 4, .capacity = 8});
+  const std::vector<float> k(4 * 3, 0.5F);
+  const TensorView<const float> kv(k.data(), {.batch = 1, .heads = 1, .tokens = 3, .head_dim = 4});
+  for (std::size_t l = 0; l < 2; ++l) (void)original.update(l, kv, kv, next_positions(0, 3));
+  const std::string file = saved(original);
+  const auto adding = [&](std::size_t value) {
+    return with_head(file, [&](detail::StateHead& h) { h.settings.push_back({"pages", value, true}); });
+  };
+  KvCache<float> cache({.layers = 2, .kv_heads = 1, .head_dim = 4, .capacity = 8});
+  load_from(cache, adding(0));
+  EXPECT_EQ(flatten(cache.history(1)), flatten(original.history(1)));
+  cache.reset();
+  try {
+    load_from(cache, adding(3));
+    ADD_FAILURE() << "loaded a setting KvCache does not have";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("the file's pages: expected 0 (KvCache has no such setting"));
+    EXPECT_THAT(e.what(), HasSubstr("found 3"));
+  }
+  EXPECT_EQ(cache.length(0), 0U);
+}
+
+TEST(StateFileSettings, ASettingTheFileLacksReadsAsZero) {
+  const KvCacheConfig config{.layers = 1, .kv_heads = 1, .head_dim = 4, .window = 4, .sinks = 0, .slack = 2};
+  const std::string file = with_head(saved(RingKvCache<float>(config)), [](detail::StateHead& h) {
+    std::erase_if(h.settings, [](const detail::StateSetting& s) { return s.name == "sinks"; });
+  });
+  RingKvCache<float> same(config);
+  load_from(same, file);
+  KvCacheConfig with_sinks = config;
+  with_sinks.sinks = 1;
+  RingKvCache<float> other(with_sinks);
+  expect_refused<std::invalid_argument>(
+      other, [&](RingKvCache<float>& c) { load_from(c, file); }, "sinks");
+}
+
+TEST(StateFileSettings, ANameGivenTwiceIsRefused) {
+  const std::string file = with_head(saved(KvCache<float>({.layers = 1, .kv_heads = 1, .head_dim = 4, .capacity = 2})),
+                                     [](detail::StateHead& h) { h.settings.push_back(h.settings.front()); });
+  try {
+    (void)info_of(file);
+    ADD_FAILURE() << "read a setting given twice";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(),
+                AllOf(HasSubstr("setting name: expected a name not given before"), HasSubstr("\"capacity\" again")));
+  }
+}
+
+std::string version1_file(const std::string& name) {
+  std::ifstream in(std::filesystem::path(KVCACHE_TEST_DATA) / "state_v1" / (name + ".kvstate"), std::ios::binary);
+  EXPECT_TRUE(in.good()) << name;
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+/// What a file of the first layout says of itself: version 1, the config, the metadata.
+void expect_version1_info(const std::string& file, const KvCacheConfig& config, const std::string& variant) {
+  const StateInfo info = info_of(file);
+  EXPECT_EQ(info.version, 1U);
+  EXPECT_EQ(info.variant, variant);
+  EXPECT_EQ(info.metadata, variant + " v1");
+  EXPECT_EQ(std::vector<std::size_t>({info.config.layers, info.config.batch, info.config.kv_heads, info.config.head_dim,
+                                      info.config.capacity, info.config.window, info.config.sinks, info.config.slack}),
+            std::vector<std::size_t>({config.layers, config.batch, config.kv_heads, config.head_dim, config.capacity,
+                                      config.window, config.sinks, config.slack}))
+      << variant;
+}
+
+// The files under tests/data/state_v1 were written by the version 1 layout (HEAD's config a fixed
+// list of eight counts) from the fixtures' filled() caches: they load into the same caches.
+template <class Cache>
+struct Version1 : StateFile<Cache> {
+  using StateFile<Cache>::config;
+  using StateFile<Cache>::filled;
+  static void expect_loads(const std::string& name, const std::string& variant) {
+    const std::string file = version1_file(name);
+    expect_version1_info(file, config(), variant);
+    Cache loaded(config());
+    EXPECT_EQ(load_from(loaded, file), variant + " v1");
+    Cache original = filled();
+    EXPECT_EQ(snapshot(loaded), snapshot(original)) << name;
+    Cache again(config());
+    load_from(again, saved(loaded));  // and saved in today's layout
+    EXPECT_EQ(snapshot(again), snapshot(original)) << name;
+  }
+};
+
+TEST(StateFileVersion1, FilesOfEveryDenseVariantLoad) {
+  Version1<KvCache<int8_rows>>::expect_loads("KvCache_int8_rows", "KvCache");
+  Version1<RingKvCache<bfloat16>>::expect_loads("RingKvCache_bfloat16", "RingKvCache");
+  Version1<ConcatKvCache<fp8_e4m3_heads>>::expect_loads("ConcatKvCache_fp8_e4m3_heads", "ConcatKvCache");
+}
+
+struct Version1Slot : SlotStateFile<int4_groups> {
+  using SlotStateFile<int4_groups>::config;
+  using SlotStateFile<int4_groups>::filled;
+};
+
+TEST(StateFileVersion1, AFileOfASlotCacheLoads) {
+  const std::string file = version1_file("SlotKvCache_int4_groups");
+  expect_version1_info(file, Version1Slot::config(), "SlotKvCache");
+  SlotKvCache<int4_groups> loaded(Version1Slot::config());
+  load_from(loaded, file);
+  SlotKvCache<int4_groups> original = Version1Slot::filled();
+  EXPECT_EQ(snapshot(loaded), snapshot(original));
+}
+
+struct Version1Paged : PagedStateFile<half> {
+  using PagedStateFile<half>::config;
+  using PagedStateFile<half>::fill;
+};
+
+TEST(StateFileVersion1, AFileOfAPagedSequenceLoads) {
+  const std::string file = version1_file("PagedKvCache_half");
+  const BlockPoolConfig pooled = Version1Paged::config();  // a sequence's capacity: every block of the pool
+  const KvCacheConfig config{
+      .layers = 3, .kv_heads = 2, .head_dim = 40, .capacity = pooled.blocks * pooled.block_tokens};
+  expect_version1_info(file, config, "PagedKvCache");
+  BlockPool<half> pool(Version1Paged::config()), other(Version1Paged::config());
+  PagedKvCache<half> original(pool), loaded(other);
+  Version1Paged::fill(original);
+  load_from(loaded, file);
+  EXPECT_EQ(snapshot(loaded), snapshot(original));
+  other.check_invariants();
 }
 
 TYPED_TEST(StateFile, TheReferenceModelContinuesAfterALoadBitForBit) { expect_model_continues_after_load<TypeParam>(); }
