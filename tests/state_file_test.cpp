@@ -1625,6 +1625,21 @@ TEST(StateFileSettings, ANameGivenTwiceIsRefused) {
   }
 }
 
+TEST(StateFileSettings, ASettingNamedAsTheShapeIsRefused) {
+  // read_state_info would otherwise take it for the shape that sizes BASE.
+  const std::string file = with_head(saved(KvCache<float>({.layers = 1, .kv_heads = 1, .head_dim = 4, .capacity = 2})),
+                                     [](detail::StateHead& h) {
+                                       h.settings.push_back({"layers", 9, false});
+                                     });
+  try {
+    (void)info_of(file);
+    ADD_FAILURE() << "read a setting named as the shape";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("setting name: expected a name other than the shape's"),
+                                HasSubstr("found \"layers\"")));
+  }
+}
+
 std::string version1_file(const std::string& name) {
   std::ifstream in(std::filesystem::path(KVCACHE_TEST_DATA) / "state_v1" / (name + ".kvstate"), std::ios::binary);
   EXPECT_TRUE(in.good()) << name;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -28,6 +29,13 @@
 namespace kvcache {
 inline namespace KVCACHE_ABI {
 namespace detail {
+
+/// The shape every cache has, which HEAD holds before the settings: no setting takes these names.
+inline constexpr std::string_view kShapeFields[] = {"layers", "batch", "kv_heads", "head_dim"};
+
+[[nodiscard]] inline bool is_shape_field(std::string_view name) noexcept {
+  return std::find(std::begin(kShapeFields), std::end(kShapeFields), name) != std::end(kShapeFields);
+}
 
 /// One setting as a file holds it, and whether a load requires the cache's own value.
 struct StateSetting {
@@ -48,6 +56,7 @@ class StateSettings {
  private:
   void add(std::string_view name, std::size_t value, bool must_match) {
     KVCACHE_ASSERT(find(name) == nullptr, "a variant lists each setting once");
+    KVCACHE_ASSERT(!is_shape_field(name), "HEAD holds the shape before the settings");
     list_.push_back({std::string(name), value, must_match});
   }
   [[nodiscard]] const StateSetting* find(std::string_view name) const noexcept {
@@ -71,7 +80,7 @@ inline void write_settings(PayloadWriter& out, const std::vector<StateSetting>& 
 }
 
 /// Reads what write_settings wrote (`version` 2 on) or version 1's fixed counts; refuses a name
-/// given twice.
+/// given twice or one of the shape's.
 inline std::vector<StateSetting> read_settings(PayloadReader& in, std::uint32_t version) {
   std::vector<StateSetting> settings;
   if (version == 1) {
@@ -89,6 +98,7 @@ inline std::vector<StateSetting> read_settings(PayloadReader& in, std::uint32_t 
     const bool repeated =
         std::any_of(settings.begin(), settings.end(), [&](const StateSetting& x) { return x.name == s.name; });
     in.require(!repeated, "setting name", "a name not given before", "\"" + s.name + "\" again");
+    in.require(!is_shape_field(s.name), "setting name", "a name other than the shape's", "\"" + s.name + "\"");
     settings.push_back(std::move(s));
   }
   return settings;
