@@ -2,9 +2,9 @@
 #pragma once
 
 // A paged block as a store keeps it: a self-describing record in the state file's section
-// framing (detail/state_container.hpp: a tag, an index, a length, the payload and its CRC-32C), under a magic
-// of its own. Written from the pool's rows; verified whole, in memory, before a byte of it reaches
-// a block (docs/store.md lists every field):
+// framing (detail/state_container.hpp: a tag, an index, a length, the payload and its CRC-32C),
+// under a magic of its own. Written from the pool's rows; verified whole, in memory, before a
+// byte of it reaches a block (docs/store.md lists every field):
 //
 //   magic "\x89KVB\r\n\x1a\n", version u32 (1)
 //   NSPC  the namespace: model, format, its row layout, block_tokens, layers, kv_heads, head_dim,
@@ -12,8 +12,8 @@
 //   BLCK  the block's key, its parent's key, its token ids (u64 count, then i64 each)
 //   ROWS[l] for each layer: the block's stored bytes (keys, values, row scales), as a state file's
 //
-// From the state container it takes the framing alone: SectionHeader, section_header, section_name,
-// kWholeCache, PayloadWriter, hex32 and check_little_endian.
+// From the state container it takes the framing alone: SectionHeader, section_header,
+// section_name, kWholeCache, PayloadWriter, hex32 and check_little_endian.
 
 #include <algorithm>
 #include <array>
