@@ -413,9 +413,9 @@ void save_state(const Cache& cache, const std::filesystem::path& path, std::stri
 
 /// Replaces `cache`'s state with the one saved in `in` and returns the file's metadata. The
 /// file must come from the same variant, storage format and shape (layers, batch, kv_heads,
-/// head_dim; window, sinks and slack for a ring), with no layer beyond `cache.capacity()`; its
-/// head scales, clipped count and lengths replace the cache's. A load is a mutating call on
-/// every layer: earlier histories are invalid after it.
+/// head_dim), with the settings the variant must match (a ring's window, sinks and slack) and no
+/// layer beyond `cache.capacity()`; its head scales, clipped count and lengths replace the
+/// cache's. A load is a mutating call on every layer: earlier histories are invalid after it.
 ///
 /// Throws std::invalid_argument for a file of another variant, format or shape, and
 /// std::runtime_error for one that is not a state file of this version or is corrupt (checksum,
