@@ -860,12 +860,12 @@ class PagedKvCache : public detail::LayerLengths, public detail::ComputeTypeUpda
 
     // The rows were encoded with the file's head scales: they must be the pool's, which its
     // blocks share (0, a head no update had set in a file of an earlier version, agrees).
-    for (std::size_t l = 0; l < layers() && !in.head_scales(false).empty(); ++l) {
+    for (std::size_t l = 0; l < layers() && !in.key_head_scales().empty(); ++l) {
       const detail::HeadScaleView own = pool_->head_scale_view(l);
       for (const bool values : {false, true}) {
         for (std::size_t h = 0; h < kv_heads(); ++h) {
           const float pool = (values ? own.values : own.keys)[h];
-          const float file = in.head_scales(values)[l * kv_heads() + h];
+          const float file = (values ? in.value_head_scales() : in.key_head_scales())[l * kv_heads() + h];
           if (file != 0.0F && pool != file) {
             throw std::invalid_argument("kvcache::load_state: the file's " + std::string(values ? "V" : "K") +
                                         " scale of layer " + std::to_string(l) + " kv head " + std::to_string(h) +

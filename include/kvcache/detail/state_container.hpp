@@ -421,9 +421,8 @@ class StateReader {
     key_scales_ = keys;
     value_scales_ = values;
   }
-  [[nodiscard]] std::span<const float> head_scales(bool values) const noexcept {
-    return values ? value_scales_ : key_scales_;
-  }
+  [[nodiscard]] std::span<const float> key_head_scales() const noexcept { return key_scales_; }
+  [[nodiscard]] std::span<const float> value_head_scales() const noexcept { return value_scales_; }
   [[nodiscard]] static bool seekable(std::istream& in) { return in.tellg() != std::istream::pos_type(-1); }
 
   /// Reads the data sections that were verified or held into their destinations; the stream
