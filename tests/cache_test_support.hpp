@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// Shared by the cache tests: the variant × element-type list, seeded data, and a flattened,
-// comparable picture of what a History holds.
+// Shared by the cache tests: the variant × element-type list, seeded data, a flattened,
+// comparable picture of what a History holds, and the reference model's (support/
+// reference_model.hpp) rows and attention in that picture.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -23,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvcache/attention.hpp"
 #include "kvcache/concat_kv_cache.hpp"
 #include "kvcache/kv_cache.hpp"
 #include "kvcache/quantized.hpp"
@@ -31,6 +33,7 @@
 #include "pooled_sequence.hpp"
 #include "support/format_matrix.hpp"
 #include "support/formats.hpp"
+#include "support/reference_model.hpp"
 
 namespace kvcache::testing {
 
@@ -250,27 +253,72 @@ std::map<std::int64_t, Row> flatten_row(const History<T>& history, std::size_t b
   return rows;
 }
 
-/// The row `flatten` would give for token t of (k, v) stored in format T: each row encoded once.
-template <class T, class In>
-Row row_of(const TensorView<const In>& k, const TensorView<const In>& v, std::size_t t) {
-  using Codec = storage_codec<T>;
+/// The row `flatten` gives for one position whose batch rows the reference model stored as
+/// `tokens`, one a batch row.
+template <class T>
+Row row_of(const std::vector<const StoredToken<T>*>& tokens) {
+  using Unit = typename storage_codec<T>::unit;
   Row row;
-  std::vector<typename Codec::unit> units(Codec::units(k.head_dim()));
-  for (const auto* view : {&k, &v}) {
-    for (std::size_t b = 0; b < view->batch(); ++b) {
-      for (std::size_t h = 0; h < view->heads(); ++h) {
-        float scale = kTestHeadScale;
-        if constexpr (detail::has_head_scales<T>) {
-          Codec::encode(view->row(b, h, t), units.data(), view->head_dim(), scale);
-        } else {
-          scale = Codec::encode(view->row(b, h, t), units.data(), view->head_dim());
-        }
-        append_bytes(row, units.data(), units.size() * sizeof(units[0]));
-        if constexpr (detail::reads_scales<Codec>) append_bytes(row, &scale, sizeof(float));
+  for (const bool value : {false, true}) {
+    for (const StoredToken<T>* token : tokens) {
+      const std::size_t heads = token->scales(value).size();
+      const std::size_t units = heads == 0 ? 0 : token->units(value).size() / heads;
+      for (std::size_t h = 0; h < heads; ++h) {
+        append_bytes(row, token->units(value).data() + h * units, units * sizeof(Unit));
+        if constexpr (detail::reads_scales<storage_codec<T>>)
+          append_bytes(row, &token->scales(value)[h], sizeof(float));
       }
     }
   }
   return row;
+}
+
+/// Token t of every batch row of (k, v) as the reference model stores it in format T, with the
+/// suites' head scales (test_config).
+template <class T, class In>
+std::vector<StoredToken<T>> store_tokens(const TensorView<const In>& k, const TensorView<const In>& v, std::size_t t) {
+  const std::vector<float> scales(k.heads(), kTestHeadScale);
+  std::vector<StoredToken<T>> tokens;
+  for (std::size_t b = 0; b < k.batch(); ++b) tokens.push_back(store_token<T>(k, v, b, t, scales, scales));
+  return tokens;
+}
+
+/// The row `flatten` would give for token t of (k, v) stored in format T: each row encoded once.
+template <class T, class In>
+Row row_of(const TensorView<const In>& k, const TensorView<const In>& v, std::size_t t) {
+  const std::vector<StoredToken<T>> tokens = store_tokens<T>(k, v, t);
+  std::vector<const StoredToken<T>*> each;
+  for (const StoredToken<T>& token : tokens) each.push_back(&token);
+  return row_of(each);
+}
+
+/// causal_attention over `history` for one seeded query per batch row b at `query` (every KV
+/// head's query heads, `group` a head) against the reference model's uncached attention over
+/// streams[b] by `rule`.
+template <class T>
+void expect_reference_attention(const History<T>& history, const std::vector<const Stream<T>*>& streams,
+                                std::size_t query, const WindowRule& rule, std::size_t kv_heads, std::size_t group,
+                                std::size_t head_dim, std::uint64_t seed) {
+  using In = input_t<T>;
+  const Shape shape{streams.size(), kv_heads * group, 1, head_dim};
+  const Block<In> q(shape, seed);
+  std::vector<In> out(shape.size());
+  const auto at = static_cast<std::int64_t>(query);
+  causal_attention(q.view(), Positions(at), history, TensorView<In>(out.data(), shape));
+  const double base = sizeof(In) == 2 ? 1e-2 : 1e-4;  // In's rounding of the output
+  std::vector<double> q_row(head_dim);
+  for (std::size_t b = 0; b < shape.batch; ++b) {
+    for (std::size_t hq = 0; hq < shape.heads; ++hq) {
+      const std::size_t row = (b * shape.heads + hq) * head_dim;
+      for (std::size_t d = 0; d < head_dim; ++d) q_row[d] = static_cast<double>(static_cast<float>(q.data[row + d]));
+      const ReferenceAttention expected = reference_attention(q_row, *streams[b], hq / group, query, rule);
+      for (std::size_t d = 0; d < head_dim; ++d) {
+        ASSERT_NEAR(static_cast<double>(static_cast<float>(out[row + d])), expected.out[d],
+                    base * (1.0 + expected.value_max))
+            << "batch row " << b << " q head " << hq << " query at " << query << " over " << expected.keys << " keys";
+      }
+    }
+  }
 }
 
 }  // namespace kvcache::testing

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // Seeded random operation sequences (chunked updates, passes stopped part-way, truncates,
-// resets, bad calls) on every variant, checked after every operation against a trivially
-// correct reference: one growing map of position -> data per layer, the window applied by
-// position. Paged sequences also as the rows of PagedBatch calls (forks sharing blocks, with and
-// without a window), the pool's invariants checked after every operation.
+// resets, bad calls) on every variant, checked after every operation against the reference model
+// (support/reference_model.hpp): what each position of each layer was given, the window applied
+// by position, and now and then attention against its uncached attention. Paged sequences also as the rows of
+// PagedBatch calls (forks sharing blocks, with and without a window), the pool's invariants checked after every
+// operation.
 
 #include <gtest/gtest.h>
 
@@ -30,9 +31,23 @@ struct Limits {
 };
 
 /// What the contract says a layer must hold, independent of how any cache stores it.
+template <class T>
 struct ReferenceLayer {
-  std::map<std::int64_t, Row> written;  // every position ever written and not truncated away
-  std::set<std::int64_t> held;          // what the layer's last update returned (it may hold more)
+  std::vector<Stream<T>> written;  // per batch row, every position written and not truncated away
+  std::set<std::int64_t> held;     // what the layer's last update returned (it may hold more)
+
+  explicit ReferenceLayer(std::size_t batch) : written(batch) {}
+  /// The row flatten() gives position p.
+  [[nodiscard]] Row row(std::int64_t p) const {
+    std::vector<const StoredToken<T>*> tokens;
+    for (const Stream<T>& stream : written) tokens.push_back(&stream.at(static_cast<std::size_t>(p)));
+    return row_of(tokens);
+  }
+  [[nodiscard]] std::vector<const Stream<T>*> streams() const {
+    std::vector<const Stream<T>*> each;
+    for (const Stream<T>& stream : written) each.push_back(&stream);
+    return each;
+  }
 };
 
 TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
@@ -59,7 +74,8 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
       config.slack = limits.slack;
     }
     Cache cache(test_config<T>(config));
-    std::vector<ReferenceLayer> reference(layers);
+    const WindowRule rule{limits.window, limits.sinks};
+    std::vector<ReferenceLayer<T>> reference(layers, ReferenceLayer<T>(batch));
     std::vector<std::size_t> lengths(layers, 0);
     SCOPED_TRACE("sequence " + std::to_string(sequence) + " window " + std::to_string(limits.window) + " sinks " +
                  std::to_string(limits.sinks) + " slack " + std::to_string(limits.slack));
@@ -79,16 +95,18 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
       const Block<input_t<T>> k({batch, kv_heads, tokens, head_dim}, rng());
       const Block<input_t<T>> v({batch, kv_heads, tokens, head_dim}, rng());
       const auto history = cache.update(layer, k.view(), v.view(), arange(start, tokens));
-      ReferenceLayer& ref = reference[layer];
-      for (std::size_t t = 0; t < tokens; ++t)
-        ref.written[static_cast<std::int64_t>(start + t)] = row_of<T>(k.view(), v.view(), t);
+      ReferenceLayer<T>& ref = reference[layer];
+      for (std::size_t t = 0; t < tokens; ++t) {
+        std::vector<StoredToken<T>> token = store_tokens<T>(k.view(), v.view(), t);
+        for (std::size_t b = 0; b < batch; ++b) ref.written[b].push_back(std::move(token[b]));
+      }
       lengths[layer] = start + tokens;
 
       const auto rows = flatten(history);
       ref.held.clear();
       for (const auto& [position, row] : rows) {
         ASSERT_LT(position, static_cast<std::int64_t>(lengths[layer]));
-        ASSERT_EQ(row, ref.written.at(position)) << "data of position " << position;
+        ASSERT_EQ(row, ref.row(position)) << "data of position " << position;
         ref.held.insert(position);
       }
       // A slot's ring and a sequence's blocks return what they hold around the window: at most
@@ -98,8 +116,7 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
       if (is_paged<Cache>) most += 2 * (kPooledBlockTokens - 1);
       // Every key some query of this chunk may see must be there.
       for (std::size_t p = 0; p < lengths[layer]; ++p) {
-        const bool needed = limits.window == 0 || p < limits.sinks || p + limits.window > start;
-        if (needed) {
+        if (rule.read_from(start, p)) {
           ASSERT_TRUE(ref.held.count(static_cast<std::int64_t>(p))) << "missing position " << p;
         }
       }
@@ -107,6 +124,10 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
         ASSERT_LE(rows.size(), most);  // nothing no query reads, or not much
         ASSERT_EQ(history.window, limits.window);
         ASSERT_EQ(history.sinks, limits.sinks);
+      }
+      // The chunk's last query reads what the reference model's uncached attention reads.
+      if (tokens != 0 && pick(0, 3) == 0) {
+        expect_reference_attention(history, ref.streams(), start + tokens - 1, rule, kv_heads, 2, head_dim, rng());
       }
     };
 
@@ -123,8 +144,8 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
       } else if (kind <= 6) {  // truncate, valid or not
         const std::size_t n = pick(0, common + 2);
         const auto forget_after = [&] {
-          for (ReferenceLayer& ref : reference) {
-            ref.written.erase(ref.written.lower_bound(static_cast<std::int64_t>(n)), ref.written.end());
+          for (ReferenceLayer<T>& ref : reference) {
+            for (Stream<T>& stream : ref.written) stream.resize(n);
             ref.held.erase(ref.held.lower_bound(static_cast<std::int64_t>(n)), ref.held.end());
           }
           std::fill(lengths.begin(), lengths.end(), n);
@@ -132,7 +153,7 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
         // Valid for sure when every layer's last update returned what a query at n reads.
         bool returned = true;
         for (std::size_t layer = 0; layer < layers && limits.window != 0; ++layer) {
-          const std::size_t from = std::max(limits.sinks, n + 1 > limits.window ? n + 1 - limits.window : 0);
+          const std::size_t from = std::max(limits.sinks, rule.first_read(n));
           for (std::size_t p = from; p < n; ++p)
             returned = returned && reference[layer].held.count(static_cast<std::int64_t>(p));
         }
@@ -160,7 +181,7 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
         }
       } else if (kind == 7) {
         cache.reset();
-        reference.assign(layers, {});
+        reference.assign(layers, ReferenceLayer<T>(batch));
         std::fill(lengths.begin(), lengths.end(), 0);
       } else {  // a bad call: must throw and change nothing (the next update checks the data)
         const std::size_t layer = pick(0, layers - 1);
@@ -220,6 +241,7 @@ TYPED_TEST(BatchDifferential, RandomBatchOperationsMatchTheReferenceAndKeepThePo
   for (int run = 0; run < 40; ++run) {
     const std::size_t window = run % 2 == 1 ? pick(2, 10) : 0, sinks = window != 0 ? pick(0, 3) : 0;
     const std::size_t slack = window != 0 ? pick(0, 3) : 0;
+    const WindowRule rule{window, sinks};
     SCOPED_TRACE("run " + std::to_string(run) + " window " + std::to_string(window) + " sinks " +
                  std::to_string(sinks) + " slack " + std::to_string(slack));
     const KvCacheConfig scales = test_config<T>({.layers = layers, .kv_heads = kv_heads, .head_dim = head_dim});
@@ -255,7 +277,7 @@ TYPED_TEST(BatchDifferential, RandomBatchOperationsMatchTheReferenceAndKeepThePo
             ASSERT_EQ(row, l.written[layer].at(p)) << "layer " << layer << " position " << p;
           }
           for (std::size_t p = 0; p < n; ++p) {
-            if (window == 0 || p < sinks || p + window > n) {
+            if (rule.reads(n, p)) {
               ASSERT_TRUE(held.count(static_cast<std::int64_t>(p))) << "layer " << layer << " position " << p;
             }
           }
@@ -347,7 +369,7 @@ TYPED_TEST(BatchDifferential, RandomBatchOperationsMatchTheReferenceAndKeepThePo
         Live& l = live[pick(0, live.size() - 1)];
         const std::size_t n = pick(0, std::min(length(l, 0), length(l, 1)));
         bool gone = false;
-        for (std::size_t p = std::max(sinks, window != 0 && n + 1 > window ? n + 1 - window : 0); p < n; ++p)
+        for (std::size_t p = std::max(sinks, rule.first_read(n)); p < n; ++p)
           gone = gone || l.seq->block_table()[p / block] == PagedKvCache<T>::kReleased;
         if (gone) {
           const std::size_t free = pool.free_blocks();

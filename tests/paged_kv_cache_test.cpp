@@ -95,7 +95,7 @@ class Paged : public ::testing::Test {
       ASSERT_EQ(row, want.at(p)) << "position " << p;
     }
     for (std::size_t p = 0; p < n; ++p) {
-      if (window == 0 || p < sinks || p + window > n) {
+      if (WindowRule{window, sinks}.reads(n, p)) {
         ASSERT_TRUE(held.count(static_cast<std::int64_t>(p))) << "position " << p << " of " << n;
       }
     }
@@ -550,7 +550,7 @@ TEST(PagedWindows, BlocksBeforeTheWindowGoBackExceptThoseAnotherSequenceHolds) {
     ASSERT_LE(seq.bytes(), (1 + (window + slack + block - 1) / block + 1) * pool.block_bytes()) << "step " << i;
     const auto held = flatten(history);
     for (std::size_t p = 0; p < seq.length(); ++p) {
-      if (p < sinks || p + window >= seq.length()) {
+      if (WindowRule{window, sinks}.reads(seq.length() - 1, p)) {
         ASSERT_TRUE(held.count(static_cast<std::int64_t>(p))) << "position " << p;
       }
     }
