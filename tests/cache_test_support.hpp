@@ -283,6 +283,14 @@ std::vector<StoredToken<T>> store_tokens(const TensorView<const In>& k, const Te
   return tokens;
 }
 
+/// flatten's picture of a history of one batch row that holds every position of `stream`.
+template <class T>
+std::map<std::int64_t, Row> flatten(const Stream<T>& stream) {
+  std::map<std::int64_t, Row> rows;
+  for (std::size_t p = 0; p < stream.size(); ++p) rows[static_cast<std::int64_t>(p)] = row_of<T>({&stream[p]});
+  return rows;
+}
+
 /// The row `flatten` would give for token t of (k, v) stored in format T: each row encoded once.
 template <class T, class In>
 Row row_of(const TensorView<const In>& k, const TensorView<const In>& v, std::size_t t) {
@@ -292,25 +300,27 @@ Row row_of(const TensorView<const In>& k, const TensorView<const In>& v, std::si
   return row_of(each);
 }
 
-/// causal_attention over `history` for one seeded query per batch row b at `query` (every KV
-/// head's query heads, `group` a head) against the reference model's uncached attention over
-/// streams[b] by `rule`.
+/// causal_attention over `history` for one seeded query per batch row b, at queries[b] (or at
+/// queries[0] for every row), every KV head's `group` query heads, against the reference model's
+/// uncached attention over streams[b] by `rule`.
 template <class T>
 void expect_reference_attention(const History<T>& history, const std::vector<const Stream<T>*>& streams,
-                                std::size_t query, const WindowRule& rule, std::size_t kv_heads, std::size_t group,
-                                std::size_t head_dim, std::uint64_t seed) {
+                                const std::vector<std::int64_t>& queries, const WindowRule& rule, std::size_t kv_heads,
+                                std::size_t group, std::size_t head_dim, std::uint64_t seed) {
   using In = input_t<T>;
   const Shape shape{streams.size(), kv_heads * group, 1, head_dim};
   const Block<In> q(shape, seed);
   std::vector<In> out(shape.size());
-  const auto at = static_cast<std::int64_t>(query);
-  causal_attention(q.view(), Positions(at), history, TensorView<In>(out.data(), shape));
+  const bool shared = queries.size() == 1;
+  const Positions positions = shared ? Positions(queries[0]) : Positions(queries.data(), 1, 1);
+  causal_attention(q.view(), positions, history, TensorView<In>(out.data(), shape));
   const double base = sizeof(In) == 2 ? 1e-2 : 1e-4;  // In's rounding of the output
   std::vector<double> q_row(head_dim);
   for (std::size_t b = 0; b < shape.batch; ++b) {
     for (std::size_t hq = 0; hq < shape.heads; ++hq) {
       const std::size_t row = (b * shape.heads + hq) * head_dim;
       for (std::size_t d = 0; d < head_dim; ++d) q_row[d] = static_cast<double>(static_cast<float>(q.data[row + d]));
+      const auto query = static_cast<std::size_t>(queries[shared ? 0 : b]);
       const ReferenceAttention expected = reference_attention(q_row, *streams[b], hq / group, query, rule);
       for (std::size_t d = 0; d < head_dim; ++d) {
         ASSERT_NEAR(static_cast<double>(static_cast<float>(out[row + d])), expected.out[d],

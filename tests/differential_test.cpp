@@ -127,7 +127,8 @@ TYPED_TEST(Differential, RandomOperationSequencesMatchTheReference) {
       }
       // The chunk's last query reads what the reference model's uncached attention reads.
       if (tokens != 0 && pick(0, 3) == 0) {
-        expect_reference_attention(history, ref.streams(), start + tokens - 1, rule, kv_heads, 2, head_dim, rng());
+        const std::vector<std::int64_t> last{static_cast<std::int64_t>(start + tokens - 1)};
+        expect_reference_attention(history, ref.streams(), last, rule, kv_heads, 2, head_dim, rng());
       }
     };
 

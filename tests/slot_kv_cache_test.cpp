@@ -266,7 +266,7 @@ TYPED_TEST(Slots, BadCallsThrowNamingBothValuesAndLeaveTheCacheUnchanged) {
   }
 }
 
-// ---- seeded random operation sequences against a trivial reference --------------------------
+// ---- seeded random operation sequences against the reference model ---------------------------
 
 TYPED_TEST(Slots, RandomOperationSequencesMatchTheReference) {
   using Cache = TypeParam;
@@ -282,8 +282,8 @@ TYPED_TEST(Slots, RandomOperationSequencesMatchTheReference) {
   for (int sequence = 0; sequence < 40; ++sequence) {
     SCOPED_TRACE("sequence " + std::to_string(sequence));
     Cache cache = this->make();
-    // The reference: what each (layer, slot) holds by position, and which S are in use.
-    std::map<std::int64_t, Row> held[L][S];
+    // The reference: what each (layer, slot) was given by position, and which S are in use.
+    Stream<Stored> held[L][S];
     std::vector<bool> in_use(S, false);
     const auto length_of = [&](std::size_t layer, std::size_t row) { return held[layer][row].size(); };
 
@@ -328,13 +328,20 @@ TYPED_TEST(Slots, RandomOperationSequencesMatchTheReference) {
           }
           const auto history =
               cache.update(layer, k.view(), v.view(), Positions(positions.data(), tokens, tokens), rows);
-          for (std::size_t i = 0; i < rows.size(); ++i) {
-            const TensorView<const E> ki(k.view().row(i, 0, 0), {1, H, tokens, D}, k.view().strides());
-            const TensorView<const E> vi(v.view().row(i, 0, 0), {1, H, tokens, D}, v.view().strides());
-            for (std::size_t t = 0; t < tokens; ++t)
-              held[layer][rows[i]][positions[i * tokens + t]] = row_of<Stored>(ki, vi, t);
-            ASSERT_EQ(history.segments[0].tokens(i), length_of(layer, rows[i]));
+          std::vector<const Stream<Stored>*> streams;
+          std::vector<std::int64_t> last;
+          for (std::size_t t = 0; t < tokens; ++t) {
+            std::vector<StoredToken<Stored>> token = store_tokens<Stored>(k.view(), v.view(), t);
+            for (std::size_t i = 0; i < rows.size(); ++i) held[layer][rows[i]].push_back(std::move(token[i]));
           }
+          for (std::size_t i = 0; i < rows.size(); ++i) {
+            ASSERT_EQ(history.segments[0].tokens(i), length_of(layer, rows[i]));
+            streams.push_back(&held[layer][rows[i]]);
+            last.push_back(static_cast<std::int64_t>(length_of(layer, rows[i])) - 1);
+          }
+          // Each row's last query reads what the reference model's uncached attention reads.
+          if (tokens != 0 && !rows.empty() && pick(0, 3) == 0)
+            expect_reference_attention(history, streams, last, {}, H, 2, D, rng());
         }
       } else if (kind == 7) {  // roll a row back, valid or not
         const std::size_t row = pick(0, S - 1);
@@ -345,8 +352,7 @@ TYPED_TEST(Slots, RandomOperationSequencesMatchTheReference) {
           ASSERT_THROW(cache.truncate(row, n), std::out_of_range);
         } else {
           cache.truncate(row, n);
-          for (auto& layer : held)
-            layer[row].erase(layer[row].lower_bound(static_cast<std::int64_t>(n)), layer[row].end());
+          for (auto& layer : held) layer[row].resize(n);
         }
       } else if (kind == 8) {  // a bad update: a free row, or positions that do not continue
         const std::size_t row = pick(0, S - 1);
@@ -365,7 +371,8 @@ TYPED_TEST(Slots, RandomOperationSequencesMatchTheReference) {
         ASSERT_EQ(cache.acquired(row), in_use[row]) << "row " << row;
         for (std::size_t layer = 0; layer < L; ++layer) {
           ASSERT_EQ(cache.row_length(row, layer), length_of(layer, row)) << "layer " << layer << " row " << row;
-          ASSERT_EQ(flatten(cache.history(layer, row)), held[layer][row]) << "layer " << layer << " row " << row;
+          ASSERT_EQ(flatten(cache.history(layer, row)), flatten(held[layer][row]))
+              << "layer " << layer << " row " << row;
         }
       }
     }
