@@ -34,6 +34,7 @@
 #include "support/format_matrix.hpp"
 #include "support/formats.hpp"
 #include "support/reference_model.hpp"
+#include "support/variants.hpp"
 
 namespace kvcache::testing {
 
@@ -96,18 +97,6 @@ using kv_cache_only_formats = filter<runs_unsanitized_only, formats>;
 using variant_formats = formats;
 using kv_cache_only_formats = type_list<>;
 #endif
-
-/// Cache variants, each a template over its storage format.
-template <template <class> class... Variants>
-struct variant_list {
-  /// Each variant over each format of Formats, variant by variant.
-  template <class Formats>
-  using over = every<Formats, Variants...>;
-};
-
-/// Every cache variant, listed once: the typed suites over variants (protocol, differential,
-/// the quantized formats' refusals) take them from here, so a new variant joins all of them.
-using cache_variants = variant_list<KvCache, ConcatKvCache, RingKvCache, SlotKvCache, PooledSequence>;
 
 /// Every variant over every storage format: the protocol's typed suites run over all of them.
 using AllCaches = gtest_types<concat<cache_variants::over<variant_formats>, kv_cache_only_formats::transform<KvCache>>>;

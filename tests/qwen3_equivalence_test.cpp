@@ -31,6 +31,7 @@
 #include "qwen3/model.hpp"
 #include "support/format_matrix.hpp"
 #include "support/tolerances.hpp"
+#include "support/variants.hpp"
 
 namespace {
 
@@ -145,14 +146,20 @@ struct Windowed {
   }
 };
 
+/// The case of a cache variant over a format: without a window (a slot cache has one slot,
+/// through the protocol's update; a paged sequence blocks of 4 tokens), a ring with a window.
+template <class Cache>
+struct case_of;
+template <template <class> class CacheT, class T>
+struct case_of<CacheT<T>> {
+  using type = Dense<CacheT, T>;
+};
 template <class T>
-using KvCase = Dense<kvcache::KvCache, T>;
-template <class T>
-using ConcatCase = Dense<kvcache::ConcatKvCache, T>;
-template <class T>
-using SlotCase = Dense<kvcache::SlotKvCache, T>;  // one slot, through the protocol's update
-template <class T>
-using PagedCase = Dense<kvcache::testing::PooledSequence, T>;  // blocks of 4 tokens
+struct case_of<kvcache::RingKvCache<T>> {
+  using type = Ring<T, 7, 2, 1>;
+};
+template <class Cache>
+using case_of_t = typename case_of<Cache>::type;
 
 struct CaseName {
   template <class Case>
@@ -164,14 +171,11 @@ struct CaseName {
   }
 };
 
-template <class T>
-using RingCase = Ring<T, 7, 2, 1>;
-
 // Every format through every variant, then the windows: a window of 7 over 48 tokens is several
 // windows long; chunks of 9 to 20 tokens are longer than it, so a chunk after the wrap needs keys
 // the ring had to stage rather than overwrite.
 using Cases = kvcache::testing::gtest_types<kvcache::testing::concat<
-    kvcache::testing::every<kvcache::testing::formats, KvCase, ConcatCase, RingCase, SlotCase, PagedCase>,
+    kvcache::testing::cache_variants::over<kvcache::testing::formats>::transform<case_of_t>,
     kvcache::type_list<Ring<float, 7, 0, 0>, Ring<float, 7, 3, 2>, Ring<float, 1, 2, 0>, Ring<float, 64, 0, 0>,
                        Windowed<kvcache::SlotKvCache, float, 7, 2, 15>, Windowed<kvcache::SlotKvCache, float, 1, 0, 15>,
                        Windowed<kvcache::SlotKvCache, Eigen::bfloat16, 7, 2, 15>,
@@ -691,7 +695,8 @@ TEST(Reference, LastOnlyLogitsAreTheLastRow) {
 
 // ---- rollback: truncate back k tokens and re-feed -------------------------------------------
 
-using RollbackCases = ::testing::Types<KvCase<float>, ConcatCase<float>, Ring<float, 7, 0, 3>, Ring<float, 7, 2, 3>>;
+using RollbackCases = ::testing::Types<Dense<kvcache::KvCache, float>, Dense<kvcache::ConcatKvCache, float>,
+                                       Ring<float, 7, 0, 3>, Ring<float, 7, 2, 3>>;
 
 template <class Case>
 class Rollback : public ::testing::Test {};
@@ -755,7 +760,7 @@ TEST(Rollback, RingRefusesToTruncatePastItsSlackAndStaysUsable) {
 TEST(ForwardErrors, BadTokenOrFullCacheLeavesTheCacheUnchanged) {
   qwen3::Model& model = tiny_model();
   const std::vector<TokenId> tokens = fixed_tokens(10, 2);
-  auto cache = KvCase<float>::make(8);
+  auto cache = Dense<kvcache::KvCache, float>::make(8);
   (void)model.forward(slice(tokens, 0, 6), cache);
   const std::vector<TokenId> bad = {1, 2, 256};
   EXPECT_THROW((void)model.forward(bad, cache), std::out_of_range);
