@@ -60,13 +60,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kvcache/codec_vocabulary.hpp"
 #include "kvcache/detail/simd.hpp"
-#include "kvcache/float16.hpp"
-
-namespace Eigen {
-struct half;
-struct bfloat16;
-}  // namespace Eigen
 
 namespace kvcache {
 inline namespace KVCACHE_ABI {
@@ -83,81 +78,6 @@ enum class scales_kept {
 };
 
 namespace detail {
-
-/// Whether T is a half type (kvcache's or Eigen's), or a bfloat16 type.
-template <class T>
-inline constexpr bool is_half =
-    std::is_same_v<std::remove_cv_t<T>, half> || std::is_same_v<std::remove_cv_t<T>, Eigen::half>;
-template <class T>
-inline constexpr bool is_bfloat16 =
-    std::is_same_v<std::remove_cv_t<T>, bfloat16> || std::is_same_v<std::remove_cv_t<T>, Eigen::bfloat16>;
-
-/// Whether T is a complete type where this is first asked (Eigen's 16-bit types are declared
-/// here, and defined only where the engine includes <Eigen/Core>).
-template <class T>
-inline constexpr bool is_complete = requires {
-  sizeof(T);
-};
-
-/// Stops the build, naming the header to include, where Eigen's 16-bit types are used without
-/// <Eigen/Core>.
-template <class T>
-constexpr void require_complete() noexcept {
-  static_assert(!is_half<T> || is_complete<T>,
-                "kvcache: Eigen::half is an incomplete type here: #include <Eigen/Core> before using it "
-                "(kvcache::half needs no other header).");
-  static_assert(!is_bfloat16<T> || is_complete<T>,
-                "kvcache: Eigen::bfloat16 is an incomplete type here: #include <Eigen/Core> before using it "
-                "(kvcache::bfloat16 needs no other header).");
-}
-
-template <class T>
-inline std::uint16_t bits_of(const T& x) noexcept {
-  require_complete<T>();
-  static_assert(sizeof(T) == 2, "a 16-bit value");
-  std::uint16_t bits;
-  std::memcpy(&bits, &x, 2);
-  return bits;
-}
-
-/// An engine's value (float, double, half or bfloat16, kvcache's or Eigen's) as float (double as
-/// double).
-template <class In>
-inline auto widen(const In& x) noexcept {
-  if constexpr (is_half<In>) {
-    return float_of_half_bits(bits_of(x));
-  } else if constexpr (is_bfloat16<In>) {
-    return float_of_bfloat16_bits(bits_of(x));
-  } else {
-    return x;
-  }
-}
-
-/// A float (or double) as T, rounded to nearest even once.
-template <class T, class F>
-inline T narrow(F x) noexcept {
-  if constexpr (is_half<T> || is_bfloat16<T>) {
-    const float f = static_cast<float>(x);
-    const std::uint16_t bits = is_half<T> ? half_bits_of(f) : bfloat16_bits_of(f);
-    require_complete<T>();
-    T out;
-    std::memcpy(static_cast<void*>(&out), &bits, 2);
-    return out;
-  } else {
-    return static_cast<T>(x);
-  }
-}
-
-/// The largest |in[d]| of n values as float bits: an integer maximum, which vectorizes where a
-/// float one may not, and orders every non-negative float (NaN's bits above infinity's).
-template <class In>
-inline std::uint32_t max_magnitude_bits(const In* in, std::size_t n) noexcept {
-  std::uint32_t top = 0;
-  for (std::size_t d = 0; d < n; ++d) {
-    top = std::max(top, std::bit_cast<std::uint32_t>(static_cast<float>(widen(in[d]))) & 0x7FFFFFFFU);
-  }
-  return top;
-}
 
 /// Rows of 16-bit floats (kvcache::half or kvcache::bfloat16): no scales, widened to float in
 /// registers.
@@ -198,7 +118,7 @@ struct SixteenBitCodec {
   KVCACHE_ALWAYS_INLINE static void load_split(const unit* row, std::size_t d, Vec<float, B> (&out)[split]) noexcept {
     if constexpr (split == 2) {
       const auto pairs =
-          in_register(detail::load<Vec<std::uint32_t, B>>(reinterpret_cast<const std::uint16_t*>(row) + d));
+          in_register(load_register<Vec<std::uint32_t, B>>(reinterpret_cast<const std::uint16_t*>(row) + d));
       out[0] = std::bit_cast<Vec<float, B>>(pairs << 16);
       out[1] = std::bit_cast<Vec<float, B>>(pairs & 0xFFFF0000U);
     } else {
@@ -227,7 +147,7 @@ struct PlainCodec {
   }
   template <std::size_t B>
   KVCACHE_ALWAYS_INLINE static Vec<T, B> load(const unit* row, std::size_t d) noexcept {
-    return detail::load<Vec<T, B>>(row + d);
+    return load_register<Vec<T, B>>(row + d);
   }
   static T value(const unit* row, std::size_t d) noexcept { return row[d]; }
 };
