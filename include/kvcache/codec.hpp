@@ -11,18 +11,21 @@
 //     using acc = float;                              // what rows are summed in
 //     static constexpr scales_kept scales = scales_kept::per_row;  // a float scale per row
 //     static constexpr std::size_t units(std::size_t head_dim) noexcept;
-//     template <class In> static float encode(const In* in, unit* row, std::size_t head_dim) noexcept;
+//     template <class In>
+//     static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float head_scale) noexcept;
 //     template <std::size_t B> static Vec<float, B> load(const unit* row, std::size_t d) noexcept;
 //     static float value(const unit* row, std::size_t d) noexcept;
 //   };
 //
-// encode returns the row's scale (kept only with scales_kept::per_row); load gives the B / 4
-// values from d on, unscaled; the kernel multiplies a row's products by its scale once. A format
-// with scales_kept::per_head (a static scale per (layer, kv head), given in the config) has instead
+// encode stores a row and returns its scale (kept only with scales_kept::per_row) and the values
+// that saturated (counted only with scales_kept::per_head); load gives the B / 4 values from d
+// on, unscaled; the kernel multiplies a row's products by its scale once. A format with
+// scales_kept::per_head (a static scale per (layer, kv head), given in the config) is given its
+// head's scale as head_scale (others are given 1 and ignore it), and has
 //
-//     template <class In>                               // encode given the head's scale: returns
-//     static std::size_t encode(const In*, unit*, std::size_t, float scale) noexcept;  // the values
-//     static float scale_for(float amax) noexcept;      // clipped; the scale for a largest magnitude
+//     static float scale_for(float amax) noexcept;      // the head scale for a largest magnitude
+//
+// codec_vocabulary.hpp has the registers, loads and conversions a codec is written in.
 //
 // Optional members:
 //
@@ -77,6 +80,13 @@ enum class scales_kept {
   per_head,  // a static scale per (layer, kv head), given in the config and to encode
 };
 
+/// What a codec's encode reports of the row it stored: the row's scale (kept with
+/// scales_kept::per_row) and the values that saturated (counted with scales_kept::per_head).
+struct EncodedRow {
+  float scale = 1.0F;
+  std::size_t clipped = 0;
+};
+
 namespace detail {
 
 /// Rows of 16-bit floats (kvcache::half or kvcache::bfloat16): no scales, widened to float in
@@ -89,7 +99,7 @@ struct SixteenBitCodec {
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float /*head_scale*/) noexcept {
     if constexpr (is_half<In> == is_half<T> && is_bfloat16<In> == is_bfloat16<T>) {
       std::memcpy(static_cast<void*>(row), in, head_dim * sizeof(T));  // the same bits, kvcache's or Eigen's
     } else {
@@ -100,7 +110,7 @@ struct SixteenBitCodec {
         bits[d] = is_half<T> ? half_bits_of(x) : bfloat16_bits_of(x);
       }
     }
-    return 1.0F;
+    return {};
   }
   template <std::size_t B>
   KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
@@ -137,13 +147,13 @@ struct PlainCodec {
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float /*head_scale*/) noexcept {
     if constexpr (std::is_same_v<In, T>) {
       std::memcpy(row, in, head_dim * sizeof(T));
     } else {
       for (std::size_t d = 0; d < head_dim; ++d) row[d] = narrow<T>(widen(in[d]));
     }
-    return 1.0F;
+    return {};
   }
   template <std::size_t B>
   KVCACHE_ALWAYS_INLINE static Vec<T, B> load(const unit* row, std::size_t d) noexcept {
@@ -277,15 +287,13 @@ concept codec_has_head_scales = requires {
   requires C::scales == scales_kept::per_head;
 };
 template <class C>
-concept codec_has_encode = (codec_has_head_scales<C> &&
-                            requires(const float* in, typename C::unit* row, std::size_t n, float scale) {
-                              { C::encode(in, row, n, scale) } -> std::convertible_to<std::size_t>;
-                              { C::scale_for(scale) } -> std::convertible_to<float>;
-                            }) ||
-                           (!codec_has_head_scales<C> &&
-                            requires(const float* in, typename C::unit* row, std::size_t n) {
-                              { C::encode(in, row, n) } -> std::convertible_to<float>;
-                            });
+concept codec_has_encode = requires(const float* in, typename C::unit* row, std::size_t n, float head_scale) {
+  { C::encode(in, row, n, head_scale) } -> std::same_as<EncodedRow>;
+};
+template <class C>
+concept codec_has_scale_for = !codec_has_head_scales<C> || requires(float amax) {
+  { C::scale_for(amax) } -> std::convertible_to<float>;
+};
 
 /// Stops the build at a format whose codec lacks a member the caches or the kernel need, naming
 /// the member (codec.hpp's contract says what each is); true otherwise.
@@ -311,12 +319,14 @@ constexpr bool check_codec() noexcept {
                   "kvcache: storage_codec<T>::scales is missing: a static constexpr kvcache::scales_kept saying "
                   "where the scales rows are multiplied by live (none, per_row, per_head).");
   } else if constexpr (!codec_has_encode<C>) {
-    static_assert(
-        codec_has_encode<C>,
-        "kvcache: storage_codec<T>::encode is missing or of another signature: template <class In> static "
-        "float encode(const In* in, unit* row, std::size_t head_dim) (returns the row's scale), or with "
-        "scales_kept::per_head, static std::size_t encode(const In*, unit*, std::size_t, float scale) and static "
-        "float scale_for(float amax).");
+    static_assert(codec_has_encode<C>,
+                  "kvcache: storage_codec<T>::encode is missing or of another signature: template <class In> static "
+                  "kvcache::EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float head_scale) "
+                  "(returns the row's scale and the values that saturated).");
+  } else if constexpr (!codec_has_scale_for<C>) {
+    static_assert(codec_has_scale_for<C>,
+                  "kvcache: storage_codec<T>::scale_for(amax) is missing: with scales_kept::per_head, a static "
+                  "function giving the head scale for a largest magnitude.");
   } else if constexpr (!codec_has_load<C>) {
     static_assert(codec_has_load<C>,
                   "kvcache: storage_codec<T>::load is missing or of another signature: "
@@ -328,7 +338,7 @@ constexpr bool check_codec() noexcept {
                   "giving one stored value as acc.");
   }
   return is_complete<C> && codec_has_unit<C> && codec_has_acc<C> && codec_has_units<C> && codec_has_scales<C> &&
-         codec_has_encode<C> && codec_has_load<C> && codec_has_value<C>;
+         codec_has_encode<C> && codec_has_scale_for<C> && codec_has_load<C> && codec_has_value<C>;
 }
 
 }  // namespace detail
@@ -339,7 +349,8 @@ template <class T>
 concept storage_format = detail::is_complete<storage_codec<T>> && detail::codec_has_unit<storage_codec<T>> &&
     detail::codec_has_acc<storage_codec<T>> && detail::codec_has_units<storage_codec<T>> &&
     detail::codec_has_scales<storage_codec<T>> && detail::codec_has_encode<storage_codec<T>> &&
-    detail::codec_has_load<storage_codec<T>> && detail::codec_has_value<storage_codec<T>>;
+    detail::codec_has_scale_for<storage_codec<T>> && detail::codec_has_load<storage_codec<T>> &&
+    detail::codec_has_value<storage_codec<T>>;
 
 /// A value type an engine computes in: float, double, kvcache::half, kvcache::bfloat16, or
 /// Eigen's half and bfloat16 (with <Eigen/Core> included).
