@@ -42,12 +42,12 @@ template <>
 struct kvcache::storage_codec<planted::fp8_saturating_at_240> : kvcache::storage_codec<kvcache::fp8_e4m3> {
   static constexpr const char* name = "fp8_saturating_at_240";
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
-    const float scale = storage_codec<kvcache::fp8_e4m3>::encode(in, row, head_dim);
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float head_scale) noexcept {
+    const EncodedRow stored = storage_codec<kvcache::fp8_e4m3>::encode(in, row, head_dim, head_scale);
     for (std::size_t d = 0; d < head_dim; ++d) {
-      row[d] = detail::e4m3_of(std::clamp(static_cast<float>(detail::widen(in[d])) / scale, -240.0F, 240.0F));
+      row[d] = detail::e4m3_of(std::clamp(static_cast<float>(widen(in[d])) / stored.scale, -240.0F, 240.0F));
     }
-    return scale;
+    return stored;
   }
 };
 
@@ -55,8 +55,10 @@ template <>
 struct kvcache::storage_codec<planted::fp8_scale_doubled> : kvcache::storage_codec<kvcache::fp8_e4m3> {
   static constexpr const char* name = "fp8_scale_doubled";
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
-    return 2.0F * storage_codec<kvcache::fp8_e4m3>::encode(in, row, head_dim);
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float head_scale) noexcept {
+    EncodedRow stored = storage_codec<kvcache::fp8_e4m3>::encode(in, row, head_dim, head_scale);
+    stored.scale *= 2.0F;
+    return stored;
   }
 };
 

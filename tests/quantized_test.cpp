@@ -179,7 +179,7 @@ TEST(Fp8Rows, EachRowIsScaledByItsOwnLargestMagnitudeAndKeepsE4M3sRelativeStep) 
   for (const std::size_t dim : {8U, 64U, 72U, 128U}) {
     for (const std::vector<float>& row : sample_rows(dim)) {
       std::vector<std::uint8_t> stored(Codec::units(dim));
-      const float scale = Codec::encode(row.data(), stored.data(), dim);
+      const float scale = Codec::encode(row.data(), stored.data(), dim, 1.0F).scale;
       float amax = 0.0F;
       for (const float x : row) amax = std::max(amax, std::fabs(x));
       EXPECT_FLOAT_EQ(scale, amax / 448.0F > 0 ? amax / 448.0F : 1.0F);
@@ -200,7 +200,7 @@ TEST(Int8Rows, EveryValueIsWithinHalfAStepOfItsRow) {
   for (const std::size_t dim : {8U, 64U, 72U, 128U}) {
     for (const std::vector<float>& row : sample_rows(dim)) {
       std::vector<std::int8_t> stored(Codec::units(dim));
-      const float scale = Codec::encode(row.data(), stored.data(), dim);
+      const float scale = Codec::encode(row.data(), stored.data(), dim, 1.0F).scale;
       float amax = 0.0F;
       for (const float x : row) amax = std::max(amax, std::fabs(x));
       EXPECT_FLOAT_EQ(scale, amax > 0 ? amax / 127.0F : 1.0F);
@@ -226,7 +226,7 @@ void expect_int4_groups_within_half_a_step() {
         for (float& x : row) x = std::clamp(x, -Codec::max_magnitude, Codec::max_magnitude);
       }
       std::vector<std::uint8_t> stored(Codec::units(dim));
-      Codec::encode(row.data(), stored.data(), dim);
+      Codec::encode(row.data(), stored.data(), dim, 1.0F);
       if constexpr (detail::is_rotated<T>) Codec::rotate(row.data(), dim);  // what the groups hold
       for (std::size_t g0 = 0; g0 < dim; g0 += G) {
         const std::size_t n = std::min<std::size_t>(G, dim - g0);
@@ -272,7 +272,7 @@ void expect_loads_match_values(std::size_t dim) {
   std::normal_distribution<float> normal(0.0F, 3.0F);
   for (float& x : row) x = normal(rng);
   std::vector<std::uint8_t> stored(Codec::units(dim));
-  Codec::encode(row.data(), stored.data(), dim);
+  Codec::encode(row.data(), stored.data(), dim, 1.0F);
   for_each_register_width([&]<std::size_t B>() {
     for (std::size_t d = 0; d + B / 4 <= dim; d += B / 4) {
       const std::vector<float> lanes = load_lanes<T, B>(stored.data(), d);
@@ -344,7 +344,7 @@ TEST(Int4Rotated, AnOutsizedChannelCostsItsNeighboursLessThanInGroupsOfTheirOwn)
   row[5] = 40.0F;
   const auto error_besides_the_outlier = [&]<class T>() {
     std::vector<std::uint8_t> stored(storage_codec<T>::units(dim));
-    storage_codec<T>::encode(row.data(), stored.data(), dim);
+    storage_codec<T>::encode(row.data(), stored.data(), dim, 1.0F);
     std::vector<float> back(dim);
     for (std::size_t d = 0; d < dim; ++d) back[d] = storage_codec<T>::value(stored.data(), d);
     if constexpr (detail::is_rotated<T>) storage_codec<T>::unrotate(back.data(), dim);
@@ -494,10 +494,10 @@ TEST(Fp8HeadScales, TheSmallestScalesStoreNoNaN) {
   // Rows of values whose amax / 127 (or / 448) is 0 in float store as zeros with a scale of 1.
   const std::vector<float> row(8, 1e-44F);
   std::vector<std::int8_t> stored(8, 1);
-  EXPECT_EQ(storage_codec<int8_rows>::encode(row.data(), stored.data(), 8), 1.0F);
+  EXPECT_EQ(storage_codec<int8_rows>::encode(row.data(), stored.data(), 8, 1.0F).scale, 1.0F);
   EXPECT_EQ(stored, std::vector<std::int8_t>(8, 0));
   std::vector<std::uint8_t> codes(8, 1);
-  EXPECT_EQ(storage_codec<fp8_e4m3>::encode(row.data(), codes.data(), 8), 1.0F);
+  EXPECT_EQ(storage_codec<fp8_e4m3>::encode(row.data(), codes.data(), 8, 1.0F).scale, 1.0F);
   EXPECT_EQ(codes, std::vector<std::uint8_t>(8, 0));
 }
 

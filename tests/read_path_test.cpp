@@ -28,16 +28,16 @@ struct kvcache::storage_codec<kvcache_test::Pow2Rows> {
   static constexpr scales_kept scales = scales_kept::per_row;
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float /*head_scale*/) noexcept {
     float largest = 0.0F;
-    for (std::size_t d = 0; d < head_dim; ++d) largest = std::max(largest, std::abs(detail::widen(in[d])));
+    for (std::size_t d = 0; d < head_dim; ++d) largest = std::max(largest, std::abs(widen(in[d])));
     const float scale = largest == 0.0F ? 1.0F : std::exp2(std::ceil(std::log2(largest)));
-    for (std::size_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(detail::widen(in[d])) / scale;
-    return scale;
+    for (std::size_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(widen(in[d])) / scale;
+    return {.scale = scale, .clipped = 0};
   }
   template <std::size_t B>
-  static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
-    return detail::load<detail::Vec<float, B>>(row + d);
+  static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
+    return load_register<Vec<float, B>>(row + d);
   }
   static float value(const unit* row, std::size_t d) noexcept { return row[d]; }
 };

@@ -11,18 +11,21 @@
 //     using acc = float;                              // what rows are summed in
 //     static constexpr scales_kept scales = scales_kept::per_row;  // a float scale per row
 //     static constexpr std::size_t units(std::size_t head_dim) noexcept;
-//     template <class In> static float encode(const In* in, unit* row, std::size_t head_dim) noexcept;
+//     template <class In>
+//     static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float head_scale) noexcept;
 //     template <std::size_t B> static Vec<float, B> load(const unit* row, std::size_t d) noexcept;
 //     static float value(const unit* row, std::size_t d) noexcept;
 //   };
 //
-// encode returns the row's scale (kept only with scales_kept::per_row); load gives the B / 4
-// values from d on, unscaled; the kernel multiplies a row's products by its scale once. A format
-// with scales_kept::per_head (a static scale per (layer, kv head), given in the config) has instead
+// encode stores a row and returns its scale (kept only with scales_kept::per_row) and the values
+// that saturated (counted only with scales_kept::per_head); load gives the B / 4 values from d
+// on, unscaled; the kernel multiplies a row's products by its scale once. A format with
+// scales_kept::per_head (a static scale per (layer, kv head), given in the config) is given its
+// head's scale as head_scale (others are given 1 and ignore it), and has
 //
-//     template <class In>                               // encode given the head's scale: returns
-//     static std::size_t encode(const In*, unit*, std::size_t, float scale) noexcept;  // the values
-//     static float scale_for(float amax) noexcept;      // clipped; the scale for a largest magnitude
+//     static float scale_for(float amax) noexcept;      // the head scale for a largest magnitude
+//
+// codec_vocabulary.hpp has the registers, loads and conversions a codec is written in.
 //
 // Optional members:
 //
@@ -60,13 +63,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kvcache/codec_vocabulary.hpp"
 #include "kvcache/detail/simd.hpp"
-#include "kvcache/float16.hpp"
-
-namespace Eigen {
-struct half;
-struct bfloat16;
-}  // namespace Eigen
 
 namespace kvcache {
 inline namespace KVCACHE_ABI {
@@ -82,82 +80,14 @@ enum class scales_kept {
   per_head,  // a static scale per (layer, kv head), given in the config and to encode
 };
 
-namespace detail {
-
-/// Whether T is a half type (kvcache's or Eigen's), or a bfloat16 type.
-template <class T>
-inline constexpr bool is_half =
-    std::is_same_v<std::remove_cv_t<T>, half> || std::is_same_v<std::remove_cv_t<T>, Eigen::half>;
-template <class T>
-inline constexpr bool is_bfloat16 =
-    std::is_same_v<std::remove_cv_t<T>, bfloat16> || std::is_same_v<std::remove_cv_t<T>, Eigen::bfloat16>;
-
-/// Whether T is a complete type where this is first asked (Eigen's 16-bit types are declared
-/// here, and defined only where the engine includes <Eigen/Core>).
-template <class T>
-inline constexpr bool is_complete = requires {
-  sizeof(T);
+/// What a codec's encode reports of the row it stored: the row's scale (kept with
+/// scales_kept::per_row) and the values that saturated (counted with scales_kept::per_head).
+struct EncodedRow {
+  float scale = 1.0F;
+  std::size_t clipped = 0;
 };
 
-/// Stops the build, naming the header to include, where Eigen's 16-bit types are used without
-/// <Eigen/Core>.
-template <class T>
-constexpr void require_complete() noexcept {
-  static_assert(!is_half<T> || is_complete<T>,
-                "kvcache: Eigen::half is an incomplete type here: #include <Eigen/Core> before using it "
-                "(kvcache::half needs no other header).");
-  static_assert(!is_bfloat16<T> || is_complete<T>,
-                "kvcache: Eigen::bfloat16 is an incomplete type here: #include <Eigen/Core> before using it "
-                "(kvcache::bfloat16 needs no other header).");
-}
-
-template <class T>
-inline std::uint16_t bits_of(const T& x) noexcept {
-  require_complete<T>();
-  static_assert(sizeof(T) == 2, "a 16-bit value");
-  std::uint16_t bits;
-  std::memcpy(&bits, &x, 2);
-  return bits;
-}
-
-/// An engine's value (float, double, half or bfloat16, kvcache's or Eigen's) as float (double as
-/// double).
-template <class In>
-inline auto widen(const In& x) noexcept {
-  if constexpr (is_half<In>) {
-    return float_of_half_bits(bits_of(x));
-  } else if constexpr (is_bfloat16<In>) {
-    return float_of_bfloat16_bits(bits_of(x));
-  } else {
-    return x;
-  }
-}
-
-/// A float (or double) as T, rounded to nearest even once.
-template <class T, class F>
-inline T narrow(F x) noexcept {
-  if constexpr (is_half<T> || is_bfloat16<T>) {
-    const float f = static_cast<float>(x);
-    const std::uint16_t bits = is_half<T> ? half_bits_of(f) : bfloat16_bits_of(f);
-    require_complete<T>();
-    T out;
-    std::memcpy(static_cast<void*>(&out), &bits, 2);
-    return out;
-  } else {
-    return static_cast<T>(x);
-  }
-}
-
-/// The largest |in[d]| of n values as float bits: an integer maximum, which vectorizes where a
-/// float one may not, and orders every non-negative float (NaN's bits above infinity's).
-template <class In>
-inline std::uint32_t max_magnitude_bits(const In* in, std::size_t n) noexcept {
-  std::uint32_t top = 0;
-  for (std::size_t d = 0; d < n; ++d) {
-    top = std::max(top, std::bit_cast<std::uint32_t>(static_cast<float>(widen(in[d]))) & 0x7FFFFFFFU);
-  }
-  return top;
-}
+namespace detail {
 
 /// Rows of 16-bit floats (kvcache::half or kvcache::bfloat16): no scales, widened to float in
 /// registers.
@@ -169,7 +99,7 @@ struct SixteenBitCodec {
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float /*head_scale*/) noexcept {
     if constexpr (is_half<In> == is_half<T> && is_bfloat16<In> == is_bfloat16<T>) {
       std::memcpy(static_cast<void*>(row), in, head_dim * sizeof(T));  // the same bits, kvcache's or Eigen's
     } else {
@@ -180,7 +110,7 @@ struct SixteenBitCodec {
         bits[d] = is_half<T> ? half_bits_of(x) : bfloat16_bits_of(x);
       }
     }
-    return 1.0F;
+    return {};
   }
   template <std::size_t B>
   KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
@@ -198,7 +128,7 @@ struct SixteenBitCodec {
   KVCACHE_ALWAYS_INLINE static void load_split(const unit* row, std::size_t d, Vec<float, B> (&out)[split]) noexcept {
     if constexpr (split == 2) {
       const auto pairs =
-          in_register(detail::load<Vec<std::uint32_t, B>>(reinterpret_cast<const std::uint16_t*>(row) + d));
+          in_register(load_register<Vec<std::uint32_t, B>>(reinterpret_cast<const std::uint16_t*>(row) + d));
       out[0] = std::bit_cast<Vec<float, B>>(pairs << 16);
       out[1] = std::bit_cast<Vec<float, B>>(pairs & 0xFFFF0000U);
     } else {
@@ -217,17 +147,17 @@ struct PlainCodec {
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float /*head_scale*/) noexcept {
     if constexpr (std::is_same_v<In, T>) {
       std::memcpy(row, in, head_dim * sizeof(T));
     } else {
       for (std::size_t d = 0; d < head_dim; ++d) row[d] = narrow<T>(widen(in[d]));
     }
-    return 1.0F;
+    return {};
   }
   template <std::size_t B>
   KVCACHE_ALWAYS_INLINE static Vec<T, B> load(const unit* row, std::size_t d) noexcept {
-    return detail::load<Vec<T, B>>(row + d);
+    return load_register<Vec<T, B>>(row + d);
   }
   static T value(const unit* row, std::size_t d) noexcept { return row[d]; }
 };
@@ -357,15 +287,13 @@ concept codec_has_head_scales = requires {
   requires C::scales == scales_kept::per_head;
 };
 template <class C>
-concept codec_has_encode = (codec_has_head_scales<C> &&
-                            requires(const float* in, typename C::unit* row, std::size_t n, float scale) {
-                              { C::encode(in, row, n, scale) } -> std::convertible_to<std::size_t>;
-                              { C::scale_for(scale) } -> std::convertible_to<float>;
-                            }) ||
-                           (!codec_has_head_scales<C> &&
-                            requires(const float* in, typename C::unit* row, std::size_t n) {
-                              { C::encode(in, row, n) } -> std::convertible_to<float>;
-                            });
+concept codec_has_encode = requires(const float* in, typename C::unit* row, std::size_t n, float head_scale) {
+  { C::encode(in, row, n, head_scale) } -> std::same_as<EncodedRow>;
+};
+template <class C>
+concept codec_has_scale_for = !codec_has_head_scales<C> || requires(float amax) {
+  { C::scale_for(amax) } -> std::convertible_to<float>;
+};
 
 /// Stops the build at a format whose codec lacks a member the caches or the kernel need, naming
 /// the member (codec.hpp's contract says what each is); true otherwise.
@@ -391,12 +319,14 @@ constexpr bool check_codec() noexcept {
                   "kvcache: storage_codec<T>::scales is missing: a static constexpr kvcache::scales_kept saying "
                   "where the scales rows are multiplied by live (none, per_row, per_head).");
   } else if constexpr (!codec_has_encode<C>) {
-    static_assert(
-        codec_has_encode<C>,
-        "kvcache: storage_codec<T>::encode is missing or of another signature: template <class In> static "
-        "float encode(const In* in, unit* row, std::size_t head_dim) (returns the row's scale), or with "
-        "scales_kept::per_head, static std::size_t encode(const In*, unit*, std::size_t, float scale) and static "
-        "float scale_for(float amax).");
+    static_assert(codec_has_encode<C>,
+                  "kvcache: storage_codec<T>::encode is missing or of another signature: template <class In> static "
+                  "kvcache::EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float head_scale) "
+                  "(returns the row's scale and the values that saturated).");
+  } else if constexpr (!codec_has_scale_for<C>) {
+    static_assert(codec_has_scale_for<C>,
+                  "kvcache: storage_codec<T>::scale_for(amax) is missing: with scales_kept::per_head, a static "
+                  "function giving the head scale for a largest magnitude.");
   } else if constexpr (!codec_has_load<C>) {
     static_assert(codec_has_load<C>,
                   "kvcache: storage_codec<T>::load is missing or of another signature: "
@@ -408,7 +338,7 @@ constexpr bool check_codec() noexcept {
                   "giving one stored value as acc.");
   }
   return is_complete<C> && codec_has_unit<C> && codec_has_acc<C> && codec_has_units<C> && codec_has_scales<C> &&
-         codec_has_encode<C> && codec_has_load<C> && codec_has_value<C>;
+         codec_has_encode<C> && codec_has_scale_for<C> && codec_has_load<C> && codec_has_value<C>;
 }
 
 }  // namespace detail
@@ -419,7 +349,8 @@ template <class T>
 concept storage_format = detail::is_complete<storage_codec<T>> && detail::codec_has_unit<storage_codec<T>> &&
     detail::codec_has_acc<storage_codec<T>> && detail::codec_has_units<storage_codec<T>> &&
     detail::codec_has_scales<storage_codec<T>> && detail::codec_has_encode<storage_codec<T>> &&
-    detail::codec_has_load<storage_codec<T>> && detail::codec_has_value<storage_codec<T>>;
+    detail::codec_has_scale_for<storage_codec<T>> && detail::codec_has_load<storage_codec<T>> &&
+    detail::codec_has_value<storage_codec<T>>;
 
 /// A value type an engine computes in: float, double, kvcache::half, kvcache::bfloat16, or
 /// Eigen's half and bfloat16 (with <Eigen/Core> included).

@@ -102,10 +102,6 @@ inline std::uint16_t half_bits_toward(float x, bool up) noexcept {
   return h;
 }
 
-/// Rounds to the nearest integer, ties to even (the default rounding mode's rint; a single
-/// instruction on SSE4.1 and later, which lets a row's loop vectorize).
-inline float round_even(float x) noexcept { return std::nearbyint(x); }
-
 /// Rows of E4M3 codes: how fp8_e4m3 and fp8_e4m3_heads read them.
 struct E4M3Rows {
   using unit = std::uint8_t;
@@ -229,14 +225,14 @@ struct storage_codec<fp8_e4m3> : detail::E4M3Rows {
   /// amax / 448 is 0 in float: they store as zeros); returns scale. The largest value maps to
   /// 448 itself, so nothing saturates.
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
-    const float amax = std::bit_cast<float>(detail::max_magnitude_bits(in, head_dim));
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float /*head_scale*/) noexcept {
+    const float amax = std::bit_cast<float>(max_magnitude_bits(in, head_dim));
     const float scale = amax / detail::kE4M3Max > 0.0F ? amax / detail::kE4M3Max : 1.0F;
     for (std::size_t d = 0; d < head_dim; ++d) {
       // Divided, not multiplied by an inverse, which overflows for the smallest rows.
-      row[d] = detail::e4m3_of(static_cast<float>(detail::widen(in[d])) / scale);
+      row[d] = detail::e4m3_of(static_cast<float>(widen(in[d])) / scale);
     }
-    return scale;
+    return {.scale = scale, .clipped = 0};
   }
 };
 
@@ -252,16 +248,16 @@ struct storage_codec<fp8_e4m3_heads> : detail::E4M3Rows {
   /// Beyond this, rounding to nearest even would give more than 448 (up to it, 448 is nearest).
   static constexpr float kSaturatesAbove = 464.0F;
 
-  /// Stores in / scale; returns how many values saturated at +-448.
+  /// Stores in / head_scale; returns how many values saturated at +-448.
   template <class In>
-  static std::size_t encode(const In* in, unit* row, std::size_t head_dim, float scale) noexcept {
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float head_scale) noexcept {
     std::size_t clipped = 0;
     for (std::size_t d = 0; d < head_dim; ++d) {
-      const float x = static_cast<float>(detail::widen(in[d])) / scale;  // an inverse overflows for tiny scales
+      const float x = static_cast<float>(widen(in[d])) / head_scale;  // an inverse overflows for tiny scales
       if (std::fabs(x) > kSaturatesAbove) ++clipped;
       row[d] = detail::e4m3_of(x);
     }
-    return clipped;
+    return {.scale = 1.0F, .clipped = clipped};
   }
 };
 
@@ -277,19 +273,19 @@ struct storage_codec<int8_rows> {
   /// Stores round(in / scale) with scale = amax / 127 (1 for a row of zeros, or of values so
   /// small that amax / 127 is 0 in float: they store as zeros); returns scale.
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
-    const float amax = std::bit_cast<float>(detail::max_magnitude_bits(in, head_dim));
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float /*head_scale*/) noexcept {
+    const float amax = std::bit_cast<float>(max_magnitude_bits(in, head_dim));
     const float scale = amax / 127.0F > 0.0F ? amax / 127.0F : 1.0F;
     for (std::size_t d = 0; d < head_dim; ++d) {
       // Divided, not multiplied by an inverse, which overflows for the smallest rows.
-      const float q = std::clamp(detail::round_even(static_cast<float>(detail::widen(in[d])) / scale), -127.0F, 127.0F);
+      const float q = std::clamp(round_even(static_cast<float>(widen(in[d])) / scale), -127.0F, 127.0F);
       row[d] = static_cast<std::int8_t>(static_cast<int>(q));
     }
-    return scale;
+    return {.scale = scale, .clipped = 0};
   }
   template <std::size_t B>
-  KVCACHE_ALWAYS_INLINE static detail::Vec<float, B> load(const unit* row, std::size_t d) noexcept {
-    return __builtin_convertvector(detail::widen_bytes<B, true>(row + d), detail::Vec<float, B>);
+  KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
+    return __builtin_convertvector(widen_bytes<B, true>(row + d), Vec<float, B>);
   }
   static float value(const unit* row, std::size_t d) noexcept { return static_cast<float>(row[d]); }
 };
@@ -300,14 +296,14 @@ struct storage_codec<int4_groups> : detail::Int4Groups<32> {
   static constexpr float max_magnitude = 65504.0F;
 
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float /*head_scale*/) noexcept {
     for (std::size_t g0 = 0; g0 < head_dim; g0 += kGroup) {
       const std::size_t n = std::min(kGroup, head_dim - g0);
       float x[kGroup];
-      for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(detail::widen(in[g0 + i]));
+      for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(widen(in[g0 + i]));
       encode_group(x, n, row + g0 / kGroup * kGroupBytes);
     }
-    return 1.0F;
+    return {};
   }
 };
 
@@ -323,19 +319,19 @@ struct storage_codec<int4_rotated> : detail::Int4Groups<16> {
   static void unrotate(float* x, std::size_t head_dim) noexcept { detail::unrotate_head(x, 0, head_dim, head_dim); }
 
   template <class In>
-  static float encode(const In* in, unit* row, std::size_t head_dim) noexcept {
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float /*head_scale*/) noexcept {
     // A chunk holds whole rotation blocks and whole groups (the block divides 16 or 16 divides it).
     const std::size_t chunk = std::max(detail::rotation_block(head_dim), kGroup);
     std::array<float, std::max(detail::kMaxRotationBlock, kGroup)> x;
     for (std::size_t c0 = 0; c0 < head_dim; c0 += chunk) {
       const std::size_t n = std::min(chunk, head_dim - c0);
-      for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(detail::widen(in[c0 + i]));
+      for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(widen(in[c0 + i]));
       detail::rotate_head(x.data(), c0, n, head_dim);
       for (std::size_t g = 0; g < n; g += kGroup) {
         encode_group(x.data() + g, std::min(kGroup, n - g), row + (c0 + g) / kGroup * kGroupBytes);
       }
     }
-    return 1.0F;
+    return {};
   }
 };
 

@@ -14,8 +14,8 @@ struct kvcache::storage_codec<MyFormat> {
   static constexpr kvcache::scales_kept scales = kvcache::scales_kept::none;
   static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
   template <class In>
-  static float encode(const In*, unit*, std::size_t) noexcept {
-    return 1.0F;
+  static kvcache::EncodedRow encode(const In*, unit*, std::size_t, float) noexcept {
+    return {};
   }
   static float value(const unit* row, std::size_t d) noexcept { return row[d]; }
 };

@@ -45,14 +45,11 @@ template <class T, class In>
 float encode_row(const In* x, std::size_t dim, typename storage_codec<T>::unit* units, float head_scale,
                  std::size_t* clipped = nullptr) {
   using Codec = storage_codec<T>;
-  if constexpr (detail::has_head_scales<T>) {
-    const std::size_t saturated = Codec::encode(x, units, dim, head_scale != 0.0F ? head_scale : 1.0F);
-    if (clipped != nullptr) *clipped += saturated;
-    return head_scale;
-  } else {
-    const float scale = Codec::encode(x, units, dim);
-    return detail::reads_scales<Codec> ? scale : 0.0F;
-  }
+  const float given = detail::has_head_scales<T> && head_scale != 0.0F ? head_scale : 1.0F;
+  const EncodedRow stored = Codec::encode(x, units, dim, given);
+  if (clipped != nullptr) *clipped += stored.clipped;
+  if constexpr (detail::has_head_scales<T>) return head_scale;
+  return detail::reads_scales<Codec> ? stored.scale : 0.0F;
 }
 
 /// A row format T stores, decoded (and rotated back, for a rotated format): the values

@@ -66,20 +66,20 @@ class RowStore {
       for (std::size_t h = 0; h < heads_; ++h) {
         for (std::size_t i = 0; i < count; ++i) {
           const std::size_t row = index(stored, h, at + i);
+          float key_scale = 1.0F, value_scale = 1.0F;
           if constexpr (has_head_scales<T>) {
-            const auto scale = [](float s) { return s != 0.0F ? s : 1.0F; };
-            clipped += Codec::encode(k.row(b, h, first + i), keys_.data() + row * units_, head_dim_,
-                                     scale(head_scales.keys[h]));
-            clipped += Codec::encode(v.row(b, h, first + i), values_.data() + row * units_, head_dim_,
-                                     scale(head_scales.values[h]));
-          } else {
-            const float ks = Codec::encode(k.row(b, h, first + i), keys_.data() + row * units_, head_dim_);
-            const float vs = Codec::encode(v.row(b, h, first + i), values_.data() + row * units_, head_dim_);
-            if constexpr (kRowScales) {
-              key_scales_.data()[row] = ks;
-              value_scales_.data()[row] = vs;
-            }
+            if (head_scales.keys[h] != 0.0F) key_scale = head_scales.keys[h];
+            if (head_scales.values[h] != 0.0F) value_scale = head_scales.values[h];
           }
+          const EncodedRow key =
+              Codec::encode(k.row(b, h, first + i), keys_.data() + row * units_, head_dim_, key_scale);
+          const EncodedRow value =
+              Codec::encode(v.row(b, h, first + i), values_.data() + row * units_, head_dim_, value_scale);
+          if constexpr (kRowScales) {
+            key_scales_.data()[row] = key.scale;
+            value_scales_.data()[row] = value.scale;
+          }
+          clipped += key.clipped + value.clipped;
         }
       }
     }
