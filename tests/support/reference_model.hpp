@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kvcache/quantized.hpp"
+#include "kvcache/views.hpp"
 
 namespace kvcache::testing {
 
