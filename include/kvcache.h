@@ -62,7 +62,8 @@ typedef enum kvcache_status {
   X(INT8_ROWS, int8_rows)           \
   X(INT4_GROUPS, int4_groups)       \
   X(FP8_E4M3_HEADS, fp8_e4m3_heads) \
-  X(INT4_ROTATED, int4_rotated)
+  X(INT4_ROTATED, int4_rotated)     \
+  X(INT8_HEADS, int8_heads)
 
 #define KVCACHE_DETAIL_FORMAT_ENUM(NAME, name) KVCACHE_FORMAT_##NAME,
 typedef enum kvcache_format { KVCACHE_FORMATS(KVCACHE_DETAIL_FORMAT_ENUM) KVCACHE_FORMAT_COUNT } kvcache_format;

@@ -50,8 +50,8 @@ struct type_list {
 };
 
 /// Every storage format kvcache defines, in the order of kvcache.h's KVCACHE_FORMATS.
-using storage_formats =
-    type_list<float, double, half, bfloat16, fp8_e4m3, int8_rows, int4_groups, fp8_e4m3_heads, int4_rotated>;
+using storage_formats = type_list<float, double, half, bfloat16, fp8_e4m3, int8_rows, int4_groups, fp8_e4m3_heads,
+                                  int4_rotated, int8_heads>;
 
 /// Calls f.template operator()<T>() for every format T of storage_formats, in order.
 template <class F>

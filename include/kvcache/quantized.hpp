@@ -53,6 +53,8 @@ struct int4_groups {};
 /// int4 of each head rotated by a fixed orthogonal transform, in groups of 16 with a scale and a
 /// minimum per group.
 struct int4_rotated {};
+/// int8 with one static scale per (layer, kv head), given in the config (calibrate_head_scales).
+struct int8_heads {};
 
 namespace detail {
 
@@ -282,6 +284,36 @@ struct storage_codec<int8_rows> {
       row[d] = static_cast<std::int8_t>(static_cast<int>(q));
     }
     return {.scale = scale, .clipped = 0};
+  }
+  template <std::size_t B>
+  KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
+    return __builtin_convertvector(widen_bytes<B, true>(row + d), Vec<float, B>);
+  }
+  static float value(const unit* row, std::size_t d) noexcept { return static_cast<float>(row[d]); }
+};
+
+template <>
+struct storage_codec<int8_heads> {
+  using unit = std::int8_t;
+  using acc = float;
+  static constexpr const char* name = "int8_heads";
+  static constexpr scales_kept scales = scales_kept::per_head;
+  static constexpr float max_magnitude = std::numeric_limits<float>::max();
+  static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
+
+  /// The scale that maps a largest magnitude to 127.
+  static float scale_for(float amax) noexcept { return amax / 127.0F; }
+
+  /// Stores round(in / head_scale), saturated at +-127; returns how many values saturated.
+  template <class In>
+  static EncodedRow encode(const In* in, unit* row, std::size_t head_dim, float head_scale) noexcept {
+    std::size_t clipped = 0;
+    for (std::size_t d = 0; d < head_dim; ++d) {
+      const float q = round_even(static_cast<float>(widen(in[d])) / head_scale);
+      if (std::fabs(q) > 127.0F) ++clipped;
+      row[d] = static_cast<std::int8_t>(static_cast<int>(std::clamp(q, -127.0F, 127.0F)));
+    }
+    return {.scale = 1.0F, .clipped = clipped};
   }
   template <std::size_t B>
   KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
