@@ -21,3 +21,4 @@ KVCACHE_EXTERN_ATTENTION(kvcache::fp8_e4m3_heads);
 KVCACHE_EXTERN_ATTENTION(kvcache::int8_rows);
 KVCACHE_EXTERN_ATTENTION(kvcache::int4_groups);
 KVCACHE_EXTERN_ATTENTION(kvcache::int4_rotated);
+KVCACHE_EXTERN_ATTENTION(kvcache::int8_heads);
