@@ -121,17 +121,12 @@ KvCacheConfig test_config(KvCacheConfig config) {
   return config;
 }
 
-/// A readable name per cache type for typed-test output.
+/// A cache type's name for typed-test output: its variant's, from the list, and its format's
+/// ("RingKvCache_int8_rows").
 struct CacheName {
   template <class Cache>
-  static std::string GetName(int) {
-    using T = typename Cache::value_type;
-    std::string variant = is_ring<Cache>                            ? "Ring"
-                          : is_slot<Cache>                          ? "Slot"
-                          : is_paged<Cache>                         ? "Paged"
-                          : std::is_same_v<Cache, ConcatKvCache<T>> ? "Concat"
-                                                                    : "Dense";
-    return variant + "_" + storage_codec<T>::name;
+  static std::string GetName(int /*index*/) {
+    return std::string(variant_name<Cache>) + "_" + format_name<typename Cache::value_type>();
   }
 };
 

@@ -66,6 +66,13 @@ double max_abs_diff(const Matrix& a, const Matrix& b) {
 
 // ---- the cases: a cache variant, its element type and its window (tolerances: support/) ------
 
+/// "SlotKvCache<int8_rows>": the variant's name from the list of variants, and the format's.
+template <class Cache>
+std::string cache_name() {
+  return std::string(kvcache::testing::variant_name<Cache>) + "<" + kvcache::format_name<typename Cache::value_type>() +
+         ">";
+}
+
 template <template <class> class CacheT, class T>
 struct Dense {
   using Cache = CacheT<T>;
@@ -82,13 +89,7 @@ struct Dense {
                   .key_scales = scales.keys,
                   .value_scales = scales.values});
   }
-  static std::string name() {
-    const char* variant = std::is_same_v<Cache, kvcache::KvCache<T>>                   ? "KvCache<"
-                          : std::is_same_v<Cache, kvcache::SlotKvCache<T>>             ? "SlotKvCache<"
-                          : std::is_same_v<Cache, kvcache::testing::PooledSequence<T>> ? "PagedKvCache<"
-                                                                                       : "ConcatKvCache<";
-    return variant + std::string(kvcache::format_name<T>()) + ">";
-  }
+  static std::string name() { return cache_name<Cache>(); }
 };
 
 template <class T, std::size_t Window, std::size_t Sinks, std::size_t Slack>
@@ -110,8 +111,8 @@ struct Ring {
                   .value_scales = scales.values});
   }
   static std::string name() {
-    return "RingKvCache<" + std::string(kvcache::format_name<T>()) + "> window " + std::to_string(Window) + " sinks " +
-           std::to_string(Sinks) + " slack " + std::to_string(Slack);
+    return cache_name<Cache>() + " window " + std::to_string(Window) + " sinks " + std::to_string(Sinks) + " slack " +
+           std::to_string(Slack);
   }
 };
 
@@ -140,9 +141,8 @@ struct Windowed {
                   .value_scales = scales.values});
   }
   static std::string name() {
-    const bool slot = std::is_same_v<Cache, kvcache::SlotKvCache<T>>;
-    return (slot ? "SlotKvCache<" : "PagedKvCache<") + std::string(kvcache::format_name<T>()) + "> window " +
-           std::to_string(Window) + " sinks " + std::to_string(Sinks) + " slack " + std::to_string(Slack);
+    return cache_name<Cache>() + " window " + std::to_string(Window) + " sinks " + std::to_string(Sinks) + " slack " +
+           std::to_string(Slack);
   }
 };
 

@@ -539,9 +539,7 @@ TYPED_TEST(StateFileOneFormat, InfoDescribesTheFileAndBuildsACacheThatLoadsIt) {
   std::istringstream in(saved(original, "fingerprint"));
   const StateInfo info = read_state_info(in);
   EXPECT_EQ(info.format, storage_codec<typename TypeParam::value_type>::name);
-  EXPECT_EQ(info.variant, CacheName::GetName<TypeParam>(0).starts_with("Ring")     ? "RingKvCache"
-                          : CacheName::GetName<TypeParam>(0).starts_with("Concat") ? "ConcatKvCache"
-                                                                                   : "KvCache");
+  EXPECT_EQ(info.variant, variant_name<TypeParam>);
   EXPECT_EQ(info.metadata, "fingerprint");
   EXPECT_EQ(info.lengths, std::vector<std::size_t>(this->layers, 16));
   EXPECT_EQ(std::size_t{info.config.capacity}, this->capacity);
