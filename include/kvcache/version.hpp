@@ -4,17 +4,17 @@
 // kvcache's version, for an engine to test across API changes (C and C++ alike: this header
 // holds only macros, and kvcache.h includes it):
 //
-//   #if KVCACHE_VERSION >= KVCACHE_MAKE_VERSION(0, 2, 0)
-//   kvcache::KvCache<kvcache::bfloat16> cache(config);
+//   #if KVCACHE_VERSION >= KVCACHE_MAKE_VERSION(0, 3, 0)
+//   const std::size_t tokens = slots.row_length(row);  // 0.2: slots.length(row)
 //   #endif
 //
-// Everything of the C++ library lives in the inline namespace kvcache::KVCACHE_ABI (v0_2 for
-// 0.2.x), which changes with the API: two libraries of different APIs linked into one program
+// Everything of the C++ library lives in the inline namespace kvcache::KVCACHE_ABI (v0_3 for
+// 0.3.x), which changes with the API: two libraries of different APIs linked into one program
 // do not mix their types, and a mismatch is a link error, not a crash. CMakeLists.txt reads the
 // package's version from here.
 
 #define KVCACHE_VERSION_MAJOR 0
-#define KVCACHE_VERSION_MINOR 2
+#define KVCACHE_VERSION_MINOR 3
 #define KVCACHE_VERSION_PATCH 0
 
 /// A version as one comparable number: major x 10000 + minor x 100 + patch.
