@@ -81,13 +81,13 @@ template <class T>
 struct own_code_path : std::bool_constant<!(std::is_same_v<T, double> || std::is_same_v<T, Eigen::half>)> {};
 
 /// Whether the variants besides KvCache run format T under AddressSanitizer (CI's sanitized
-/// build, whose length bounds CI): the formats with code paths of their own, but fp8_e4m3 and
-/// int4_rotated, which share int8_rows' and int4_groups' (a scale per row, groups in the row).
-/// Every format still runs there through KvCache, and the release build runs every pair.
+/// build, whose length bounds CI): the formats with code paths of their own, but fp8_e4m3,
+/// int4_rotated and int8_heads, which share int8_rows', int4_groups' and fp8_e4m3_heads' (a scale
+/// per row, groups in the row, a scale per head). Every format still runs there through KvCache,
+/// and the release build runs every pair.
 template <class T>
-struct runs_sanitized
-    : std::bool_constant<own_code_path<T>::value && !std::is_same_v<T, fp8_e4m3> && !std::is_same_v<T, int4_rotated>> {
-};
+struct runs_sanitized : std::bool_constant<own_code_path<T>::value && !std::is_same_v<T, fp8_e4m3> &&
+                                           !std::is_same_v<T, int4_rotated> && !std::is_same_v<T, int8_heads>> {};
 template <class T>
 struct runs_unsanitized_only : std::bool_constant<!runs_sanitized<T>::value> {};
 #if defined(KVCACHE_TESTS_SANITIZED)
