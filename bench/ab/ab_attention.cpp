@@ -10,7 +10,7 @@
 // same drift, where two programs run one after the other do not.
 //
 // InCacheAB rows time the same call over one kv head of G query heads whose K and V (512 KiB)
-// stay in cache, 16 calls a timing, one core: the arithmetic alone, which decides the cells the
+// stay in cache (G 1 to 8), 16 calls a timing, one core: the arithmetic alone, which decides the cells the
 // memory no longer does (four 16-bit query rows per kv head on one AVX-512 AMD EPYC core).
 // `ns_per_key:<name>` is that revision's median call per key; `vs_read` is against reading the
 // same bytes from cache. ShortAB rows do the same over 8 kv heads of 16 or 512 keys, where a
@@ -266,7 +266,7 @@ void register_all() {
   const auto cached = [&](auto* bench, const char* name) {
     auto* b = benchmark::RegisterBenchmark(name, bench)->ArgNames({"G"})->UseManualTime();
     b->Iterations(smoke ? 2 : 15);
-    for (const long group : {1L, 2L, 4L}) b->Args({group});
+    for (const long group : {1L, 2L, 4L, 8L}) b->Args({group});
   };
   cached(BM_InCacheAB<float>, "InCacheAB<float>");
   cached(BM_InCacheAB<Eigen::bfloat16>, "InCacheAB<bfloat16>");

@@ -45,10 +45,13 @@ for i in "${!revisions[@]}"; do
     echo "kvcache ab: $name = $rev ($(git -C "$root" rev-parse --short "$rev"))"
   fi
   own="KVCACHE_AB_FLAGS_$name"
+  # A revision from before storage codecs (7ec4d29 and earlier) is built for the dense types only.
+  legacy=0
+  [[ -f "$work/$name/include/kvcache/codec.hpp" ]] || legacy=1
   if [[ -n "${!own:-}" ]]; then echo "kvcache ab: $name built with ${!own}"; fi
   # The library's namespace renamed per revision, so that their inline functions stay apart.
   # shellcheck disable=SC2086  # the flags are words
-  "$cxx" "${flags[@]}" ${!own:-} -Dkvcache="kvcache_$name" -DKVCACHE_AB_NAME="$name" -I"$work/$name/include" \
+  "$cxx" "${flags[@]}" ${!own:-} -Dkvcache="kvcache_$name" -DKVCACHE_AB_NAME="$name" -DKVCACHE_AB_NO_CODECS=$legacy -I"$work/$name/include" \
     -I"$root/bench/ab" -c "$root/bench/ab/variant.cpp" -o "$work/$name.o" &
   objects+=("$work/$name.o")
   list+="X($name) "

@@ -35,11 +35,20 @@ struct int4_rotated;
 
 namespace {
 
+#if KVCACHE_AB_NO_CODECS
+// A revision from before storage codecs: rows of the dense types only, stored as the type itself.
+template <class T>
+concept known_format = false;
+template <class T>
+using unit_of = T;
+#else
 /// Whether this revision defines format T.
 template <class T>
 concept known_format = requires {
   sizeof(kvcache::storage_codec<T>);
 };
+template <class T>
+using unit_of = typename kvcache::storage_codec<T>::unit;  // Eigen's 16-bit types are stored as kvcache's
 
 /// The history of a KvCache<T> holding the call's K and V (floats), encoded on the first call
 /// with these buffers and kept for the next ones, so that a timed call only reads.
@@ -89,23 +98,27 @@ const kvcache::History<T>& encoded(const kvcache_ab::DecodeCall& call) {
   return held.history;
 }
 
+#endif
+
 template <class T>
 void decode_quantized(const kvcache_ab::DecodeCall& call) {
   if constexpr (!known_format<T>) {
     *call.missing = true;
   } else {
+#if !KVCACHE_AB_NO_CODECS
     const kvcache::History<T>& history = encoded<T>(call);
     const kvcache::Shape q_shape{1, call.q_heads, 1, call.head_dim};
     const std::int64_t position = static_cast<std::int64_t>(call.tokens);
     kvcache::causal_attention(kvcache::TensorView<const float>(call.q, q_shape), std::span(&position, 1), history,
                               kvcache::TensorView<float>(call.out, q_shape), {.threads = call.threads});
+#endif
   }
 }
 
 template <class T>
 void decode(const kvcache_ab::DecodeCall& call) {
   const kvcache::Shape kv_shape{1, call.kv_heads, call.tokens, call.head_dim};
-  using Unit = typename kvcache::storage_codec<T>::unit;  // Eigen's 16-bit types are stored as kvcache's
+  using Unit = unit_of<T>;
   const kvcache::Segment<T> segment{kvcache::TensorView<const Unit>(static_cast<const Unit*>(call.keys), kv_shape),
                                     kvcache::TensorView<const Unit>(static_cast<const Unit*>(call.values), kv_shape),
                                     call.positions};
