@@ -503,14 +503,12 @@ void register_all() {
       }
     }
   };
-  limit_rows(BM_DecodeLimit<float>, "DecodeLimit<float>");
-  limit_rows(BM_DecodeLimit<Eigen::bfloat16>, "DecodeLimit<bfloat16>");
-  limit_rows(BM_DecodeLimit<Eigen::half>, "DecodeLimit<half>");
-  limit_rows(BM_DecodeLimit<kvcache::fp8_e4m3>, "DecodeLimit<fp8_e4m3>");
-  limit_rows(BM_DecodeLimit<kvcache::int8_rows>, "DecodeLimit<int8_rows>");
-  limit_rows(BM_DecodeLimit<kvcache::int4_groups>, "DecodeLimit<int4_groups>");
-  limit_rows(BM_DecodeLimit<kvcache::fp8_e4m3_heads>, "DecodeLimit<fp8_e4m3_heads>");
-  limit_rows(BM_DecodeLimit<kvcache::int4_rotated>, "DecodeLimit<int4_rotated>");
+  // Every storage format but double (no engine stores its cache in double).
+  kvcache::for_each_format([&]<class T>() {
+    if constexpr (!std::is_same_v<T, double>) {
+      limit_rows(BM_DecodeLimit<T>, (std::string("DecodeLimit<") + kvcache::format_name<T>() + ">").c_str());
+    }
+  });
   // Causal prefill, one core: a 512-token chunk from the start and after 2,048 cached tokens (H_q
   // 16 and 32), and a 2,048-token one under a window of 128 (and 4 sinks).
   const std::int64_t chunk = tiny ? 32 : 512;
