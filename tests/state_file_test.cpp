@@ -1591,8 +1591,31 @@ TEST(StateFileSettings, ASettingTheCacheDoesNotListLoadsOnlyAtZero) {
     load_from(cache, adding(3));
     ADD_FAILURE() << "loaded a setting KvCache does not have";
   } catch (const std::invalid_argument& e) {
-    EXPECT_THAT(e.what(), HasSubstr("the file's pages: expected 0 (KvCache has no such setting"));
+    EXPECT_THAT(e.what(), HasSubstr("the file's \"pages\": expected 0 (KvCache has no such setting"));
     EXPECT_THAT(e.what(), HasSubstr("found 3"));
+  }
+  EXPECT_EQ(cache.length(0), 0U);
+}
+
+TEST(StateFileSettings, ANameWithBytesThatAreNotTextIsNamedEscaped) {
+  // A name read from a file may hold any byte: the message shows it escaped, so that a NUL does
+  // not end the message before what was expected.
+  KvCache<float> original({.layers = 1, .kv_heads = 1, .head_dim = 4, .capacity = 8});
+  const std::vector<float> k(4 * 3, 0.5F);
+  (void)original.update(0, TensorView<const float>(k.data(), {.batch = 1, .heads = 1, .tokens = 3, .head_dim = 4}),
+                        TensorView<const float>(k.data(), {.batch = 1, .heads = 1, .tokens = 3, .head_dim = 4}),
+                        next_positions(0, 3));
+  const std::string file = with_head(saved(original), [](detail::StateHead& h) {
+    h.settings.push_back({std::string("cap\0x\n", 6), 5, true});
+  });
+  KvCache<float> cache({.layers = 1, .kv_heads = 1, .head_dim = 4, .capacity = 8});
+  try {
+    load_from(cache, file);
+    ADD_FAILURE() << "loaded a setting KvCache does not have";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(std::string_view(e.what()),
+                AllOf(HasSubstr("the file's \"cap\\x00x\\x0a\": expected 0 (KvCache has no such setting"),
+                      HasSubstr("found 5")));
   }
   EXPECT_EQ(cache.length(0), 0U);
 }

@@ -57,6 +57,21 @@ inline std::string hex32(std::uint32_t value) {
   return s;
 }
 
+/// Bytes read from a file as quoted text for a message, non-printable ones as \xNN: a name a
+/// file gives may hold any byte, a NUL included.
+inline std::string printable(std::string_view bytes) {
+  std::string s = "\"";
+  for (const char byte : bytes) {
+    const auto c = static_cast<unsigned char>(byte);
+    if (c >= 0x20 && c < 0x7F && c != '"' && c != '\\') {
+      s += byte;
+    } else {
+      s += "\\x" + hex32(c).substr(8);
+    }
+  }
+  return s + "\"";
+}
+
 /// "ROWS[3]" (a layer's section) or "HEAD".
 inline std::string section_name(std::string_view tag, std::size_t index) {
   return std::string(tag) + (index == kWholeCache ? std::string() : "[" + std::to_string(index) + "]");
@@ -316,9 +331,9 @@ class StateReader {
     std::array<char, kStateMagic.size()> magic{};
     const std::size_t got = read_some(magic.data(), magic.size());
     if (got != magic.size() || magic != kStateMagic) {
-      throw std::runtime_error(file_error("magic",
-                                          printable(kStateMagic.data(), kStateMagic.size()) + " (a state file)",
-                                          printable(magic.data(), got)));
+      throw std::runtime_error(
+          file_error("magic", printable(std::string_view(kStateMagic.data(), kStateMagic.size())) + " (a state file)",
+                     printable(std::string_view(magic.data(), got))));
     }
     std::uint32_t version = 0;
     read_exact(&version, sizeof version, "the version");
@@ -469,7 +484,7 @@ class StateReader {
     SectionHeader header;
     read_exact(&header, sizeof header, "the header of section " + name);
     const std::string found = section_name(std::string_view(header.tag.data(), header.tag.size()), header.index);
-    if (found != name) throw std::runtime_error(file_error("section", name, printable(found.data(), found.size())));
+    if (found != name) throw std::runtime_error(file_error("section", name, printable(found)));
     return header;
   }
 
@@ -508,20 +523,6 @@ class StateReader {
       throw std::runtime_error(file_error(what + " at byte " + std::to_string(at), std::to_string(n) + " bytes",
                                           std::to_string(got) + " (the input ends there: a truncated file?)"));
     }
-  }
-
-  /// Bytes as text for a message, non-printable ones as \xNN.
-  static std::string printable(const char* data, std::size_t n) {
-    std::string s = "\"";
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto c = static_cast<unsigned char>(data[i]);
-      if (c >= 0x20 && c < 0x7F && c != '"' && c != '\\') {
-        s += static_cast<char>(c);
-      } else {
-        s += "\\x" + hex32(c).substr(8);
-      }
-    }
-    return s + "\"";
   }
 
   std::istream& in_;

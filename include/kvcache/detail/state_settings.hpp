@@ -97,8 +97,8 @@ inline std::vector<StateSetting> read_settings(PayloadReader& in, std::uint32_t 
     s.value = in.u64("setting value");
     const bool repeated =
         std::any_of(settings.begin(), settings.end(), [&](const StateSetting& x) { return x.name == s.name; });
-    in.require(!repeated, "setting name", "a name not given before", "\"" + s.name + "\" again");
-    in.require(!is_shape_field(s.name), "setting name", "a name other than the shape's", "\"" + s.name + "\"");
+    in.require(!repeated, "setting name", "a name not given before", printable(s.name) + " again");
+    in.require(!is_shape_field(s.name), "setting name", "a name other than the shape's", printable(s.name));
     settings.push_back(std::move(s));
   }
   return settings;
@@ -124,7 +124,7 @@ inline void check_settings(const std::vector<StateSetting>& own, const std::vect
   }
   for (const StateSetting& s : file) {
     const bool listed = std::any_of(own.begin(), own.end(), [&](const StateSetting& x) { return x.name == s.name; });
-    if (!listed && s.value != 0) differs(s.name, "0 (" + variant + " has no such setting)", s.value);
+    if (!listed && s.value != 0) differs(printable(s.name), "0 (" + variant + " has no such setting)", s.value);
   }
 }
 
