@@ -126,6 +126,21 @@ struct E4M3Rows {
   static float value(const unit* row, std::size_t d) noexcept { return float_of_e4m3(row[d]); }
 };
 
+/// Rows of int8 codes: how int8_rows and int8_heads read them.
+struct Int8Rows {
+  using unit = std::int8_t;
+  using acc = float;
+  static constexpr scales_kept scales = scales_kept::per_row;  // int8_heads' are per head
+  static constexpr float max_magnitude = std::numeric_limits<float>::max();
+  static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
+
+  template <std::size_t B>
+  KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
+    return __builtin_convertvector(widen_bytes<B, true>(row + d), Vec<float, B>);
+  }
+  static float value(const unit* row, std::size_t d) noexcept { return static_cast<float>(row[d]); }
+};
+
 /// int4 rows in groups of G values along the head. A group: a half step and a half minimum,
 /// then G / 2 bytes whose low nibbles hold values [0, G / 2) and high nibbles [G / 2, G), so
 /// that a register's values come from one nibble of adjacent bytes (or, a register as wide as
@@ -264,13 +279,8 @@ struct storage_codec<fp8_e4m3_heads> : detail::E4M3Rows {
 };
 
 template <>
-struct storage_codec<int8_rows> {
-  using unit = std::int8_t;
-  using acc = float;
+struct storage_codec<int8_rows> : detail::Int8Rows {
   static constexpr const char* name = "int8_rows";
-  static constexpr scales_kept scales = scales_kept::per_row;
-  static constexpr float max_magnitude = std::numeric_limits<float>::max();
-  static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
   /// Stores round(in / scale) with scale = amax / 127 (1 for a row of zeros, or of values so
   /// small that amax / 127 is 0 in float: they store as zeros); returns scale.
@@ -285,21 +295,13 @@ struct storage_codec<int8_rows> {
     }
     return {.scale = scale, .clipped = 0};
   }
-  template <std::size_t B>
-  KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
-    return __builtin_convertvector(widen_bytes<B, true>(row + d), Vec<float, B>);
-  }
-  static float value(const unit* row, std::size_t d) noexcept { return static_cast<float>(row[d]); }
 };
 
 template <>
-struct storage_codec<int8_heads> {
-  using unit = std::int8_t;
-  using acc = float;
+struct storage_codec<int8_heads> : detail::Int8Rows {
   static constexpr const char* name = "int8_heads";
+  // One scale per (layer, kv head), given to encode; segments repeat it for every row.
   static constexpr scales_kept scales = scales_kept::per_head;
-  static constexpr float max_magnitude = std::numeric_limits<float>::max();
-  static constexpr std::size_t units(std::size_t head_dim) noexcept { return head_dim; }
 
   /// The scale that maps a largest magnitude to 127.
   static float scale_for(float amax) noexcept { return amax / 127.0F; }
@@ -315,11 +317,6 @@ struct storage_codec<int8_heads> {
     }
     return {.scale = 1.0F, .clipped = clipped};
   }
-  template <std::size_t B>
-  KVCACHE_ALWAYS_INLINE static Vec<float, B> load(const unit* row, std::size_t d) noexcept {
-    return __builtin_convertvector(widen_bytes<B, true>(row + d), Vec<float, B>);
-  }
-  static float value(const unit* row, std::size_t d) noexcept { return static_cast<float>(row[d]); }
 };
 
 template <>
