@@ -46,7 +46,12 @@ void expect_every_bit_pattern_widens_as(const char* name) {
   for (std::uint32_t bits = 0; bits <= 0xFFFF; ++bits) {
     const auto ours = static_cast<float>(Ours::from_bits(static_cast<std::uint16_t>(bits)));
     const auto theirs = static_cast<float>(eigen_of_bits<Theirs>(static_cast<std::uint16_t>(bits)));
-    ASSERT_EQ(std::bit_cast<std::uint32_t>(ours), std::bit_cast<std::uint32_t>(theirs))
+    // A signaling NaN comes out quiet where Eigen widens by instruction (F16C) and as it was where
+    // it widens in software: the sign and payload are the same either way.
+    constexpr std::uint32_t kQuietBit = 0x00400000;
+    const std::uint32_t ignored = std::isnan(theirs) ? kQuietBit : 0;
+    ASSERT_EQ(std::isnan(ours), std::isnan(theirs)) << name << " bits 0x" << std::hex << bits;
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(ours) | ignored, std::bit_cast<std::uint32_t>(theirs) | ignored)
         << name << " bits 0x" << std::hex << bits;
   }
 }
