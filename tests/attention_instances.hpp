@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// The attention kernel for every storage format, compiled once (attention_instances.cpp) and
-// linked into every test program, instead of once in each (KVCACHE_EXTERN_ATTENTION, as an
-// engine does): the kernel is most of what a test file costs to compile. CMake includes this file ahead of each test
-// file that uses the baseline flags; the native copy of the attention suite compiles its own kernel.
+// The attention kernel for every storage format, compiled once (a file per format, which
+// tests/CMakeLists.txt writes from its list) and linked into every test program, instead of once
+// in each (KVCACHE_EXTERN_ATTENTION, as an engine does): the kernel is most of what a test file
+// costs to compile. CMake includes this file ahead of each test file built with the library's
+// flags; the release build's native copy of the attention suite compiles its own kernel.
 #pragma once
 
 #include <Eigen/Core>
