@@ -307,7 +307,9 @@ struct FormatSetup {
 /// the fastest read (median per form) and the call's 2 H_q S D multiply-adds at the measured
 /// rate; `vs_limit` is the limit over the median call (1: at the limit), `limit_is_read` says
 /// which it was, and the `ns_per_key*` counters give call and limits per key of one kv head, as
-/// bench/plot.py draws them. Args: H_q, S, threads, D.
+/// bench/plot.py draws them. `ns_per_key_resident` is the same call over a history short enough
+/// to stay in cache, read as from memory (the same runs and prefetch): what the loop's arithmetic
+/// costs a key when reading costs next to nothing. Args: H_q, S, threads, D.
 template <class T>
 void BM_DecodeLimit(benchmark::State& state) {
   const auto q_heads = static_cast<std::size_t>(state.range(0));
@@ -327,8 +329,22 @@ void BM_DecodeLimit(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   };
+  // 256 keys a kv head: 2 MiB of float K and V, 8 calls timed together.
+  constexpr std::size_t kResidentTokens = 256;
+  constexpr int kResidentCalls = 8;
+  const FormatSetup<T> resident(kResidentTokens, dim);
+  const auto resident_at = static_cast<std::int64_t>(kResidentTokens);
+  const kvcache::AttentionOptions from_memory{.threads = threads, .tuning = {.in_cache_bytes = 0}};
+  const auto resident_calls = [&] {
+    for (int i = 0; i < kResidentCalls; ++i) {
+      kvcache::causal_attention(kvcache::TensorView<const float>(q.data(), shape), std::span(&resident_at, 1),
+                                resident.history, kvcache::TensorView<float>(out.data(), shape), from_memory);
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  };
   std::vector<std::vector<double>> reads(std::size(kvcache::bench::kReadForms));
-  std::vector<double> rates, calls;
+  std::vector<double> rates, calls, residents;
   const auto flush = [&] { benchmark::DoNotOptimize(read_all(elsewhere(), threads)); };
   for (auto _ : state) {
     for (std::size_t f = 0; f < reads.size(); ++f) {
@@ -340,6 +356,8 @@ void BM_DecodeLimit(benchmark::State& state) {
     flush();
     calls.push_back(time_call(call));
     state.SetIterationTime(calls.back());
+    resident_calls();  // brings the short history into cache
+    residents.push_back(time_call(resident_calls) / kResidentCalls);
   }
   double read = std::numeric_limits<double>::infinity();
   for (auto& form : reads) read = std::min(read, median(form));
@@ -355,6 +373,7 @@ void BM_DecodeLimit(benchmark::State& state) {
   state.counters["ns_per_key"] = attention * 1e9 / keys;
   state.counters["ns_per_key_read"] = read * 1e9 / keys;
   state.counters["ns_per_key_multiply_add"] = arithmetic * 1e9 / keys;
+  state.counters["ns_per_key_resident"] = median(residents) * 1e9 / static_cast<double>(kResidentTokens * kKvHeads);
   double bytes = 0;
   for (const auto& [data, count] : buffers) bytes += static_cast<double>(count * sizeof(float));
   state.counters["read_GBps"] = read > 0 ? bytes / read / 1e9 : 0.0;
