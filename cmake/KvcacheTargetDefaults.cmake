@@ -29,3 +29,31 @@ function(kvcache_speed_defaults target)
     target_compile_options(${target} PRIVATE -march=native)
   endif()
 endfunction()
+
+# A static library holding the attention kernel of every storage format, a file per format so that
+# a parallel build shares them out; the programs that link it include
+# tests/attention_instances.hpp first (kvcache_use_attention_instances), which declares the same
+# kernels extern, so none compiles them again. Its flags must be the programs' own.
+set(kvcache_instance_formats float double kvcache::half kvcache::bfloat16 Eigen::half Eigen::bfloat16 kvcache::fp8_e4m3
+                             kvcache::fp8_e4m3_heads kvcache::int8_rows kvcache::int4_groups kvcache::int4_rotated
+                             kvcache::int8_heads)
+function(kvcache_attention_instances library)
+  set(sources "")
+  foreach(format IN LISTS kvcache_instance_formats)
+    string(REPLACE "::" "_" file "${format}")
+    set(file "${CMAKE_CURRENT_BINARY_DIR}/${library}/${file}.cpp")
+    file(CONFIGURE OUTPUT "${file}" CONTENT "#include \"attention_instances.hpp\"\nKVCACHE_INSTANTIATE_ATTENTION(${format});\n")
+    list(APPEND sources "${file}")
+  endforeach()
+  add_library(${library} STATIC ${sources})
+  target_include_directories(${library} PRIVATE "${PROJECT_SOURCE_DIR}/tests")
+  target_link_libraries(${library} PRIVATE Eigen3::Eigen)
+endfunction()
+
+# Links `target` to the kernels of `library` (kvcache_attention_instances) instead of compiling
+# them in each of its files.
+function(kvcache_use_attention_instances target library)
+  target_link_libraries(${target} PRIVATE ${library})
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-include>
+                                           "$<$<COMPILE_LANGUAGE:CXX>:${PROJECT_SOURCE_DIR}/tests/attention_instances.hpp>")
+endfunction()

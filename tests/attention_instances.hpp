@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // The attention kernel for every storage format, compiled once (a file per format, which
-// tests/CMakeLists.txt writes from its list) and linked into every test program, instead of once
-// in each (KVCACHE_EXTERN_ATTENTION, as an engine does): the kernel is most of what a test file
-// costs to compile. CMake includes this file ahead of each test file built with the library's
-// flags; the release build's native copy of the attention suite compiles its own kernel.
+// kvcache_attention_instances in cmake/KvcacheTargetDefaults.cmake writes from its list) and
+// linked into every test, benchmark and example program, instead of once in each
+// (KVCACHE_EXTERN_ATTENTION, as an engine does): the kernel is most of what such a file costs to
+// compile. CMake includes this file ahead of each of their files; the release build's native copy
+// of the attention suite compiles its own kernel.
 #pragma once
 
 #include <Eigen/Core>
